@@ -1,0 +1,99 @@
+"""Gated DeltaNet (GDN) recurrence in pure torch: the reference every faster path is checked against.
+
+Head recurrence (DESIGN.md §2.6), state S of shape (d_k, d_v), q and k L2-normalised:
+    S_t = a_t S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - a_t S_{t-1}^T k_t),   o_t = S_t^T q_t
+with a_t = exp(g_t). Tensors use the fla/transformers layout: q, k (B, T, H, d_k), v (B, T, HV, d_v),
+g and beta (B, T, HV), state (B, HV, d_k, d_v). HV may be a multiple of H (grouped value heads).
+
+Unrolling the recurrence over a block of tokens whose "parent" structure is a chain gives a unit
+lower-triangular system (I + X) U = beta (V - a * (K S_0)); `chunk_gated_delta_rule` solves it per chunk
+so prefill and training are a handful of matmuls per chunk instead of one step per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """L2-normalise the last dim the way fla does (rsqrt of sum of squares plus eps)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b), in fp32."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.float().sigmoid()
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalise q/k, fold in the 1/sqrt(d_k) scale, expand grouped heads to HV; layout (B, HV, T, d), fp32."""
+    groups = v.shape[2] // k.shape[2]
+    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    k = l2norm(k.float())
+    if groups > 1:
+        q = q.repeat_interleave(groups, dim=2)
+        k = k.repeat_interleave(groups, dim=2)
+    return q.transpose(1, 2), k.transpose(1, 2), v.float().transpose(1, 2)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token recurrence (decode path and reference). Returns (o (B, T, HV, d_v), final state)."""
+    q, k, v = _prepare(q, k, v)
+    g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # (B, HV, T)
+    S = state.float()
+    outs = []
+    for t in range(q.shape[2]):
+        S = S * g[:, :, t, None, None].exp()
+        delta = (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, :, t])) * beta[:, :, t, None]
+        S = S + k[:, :, t, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
+    return torch.stack(outs, dim=1).to(v.dtype), S
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-parallel form of the same recurrence (differentiable). Returns (o (B, T, HV, d_v), final state)."""
+    B, T, H, dk = k.shape
+    HV, dv = v.shape[2], v.shape[3]
+    q, k, v = _prepare(q, k, v)
+    g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)
+    pad = (-T) % chunk_size
+    if pad:  # padded steps have k = v = 0 and g = 0: they leave the state untouched
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n, C = (T + pad) // chunk_size, chunk_size
+    q, k, v = (x.reshape(B, HV, n, C, -1) for x in (q, k, v))
+    g, beta = g.reshape(B, HV, n, C), beta.reshape(B, HV, n, C)
+
+    G = g.cumsum(-1)  # path log-decay inside each chunk
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(G_i - G_j), j <= i
+    X = (beta[..., None] * (k @ k.transpose(-1, -2)) * D).tril(-1)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    # (I + X) U = beta V - beta a (K S0): split into a state-free part W1 and the state multiplier W2.
+    W1 = torch.linalg.solve_triangular(eye + X, beta[..., None] * v, upper=False, unitriangular=True)
+    W2 = torch.linalg.solve_triangular(eye + X, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
+    Y = (q @ k.transpose(-1, -2)) * D
+    q_decayed = q * G.exp()[..., None]
+    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
+    chunk_decay = G[..., -1].exp()[..., None, None]
+
+    S = torch.zeros(B, HV, dk, dv, dtype=q.dtype, device=q.device) if state is None else state.float()
+    outs = []
+    for i in range(n):
+        U = W1[:, :, i] - W2[:, :, i] @ S
+        outs.append(q_decayed[:, :, i] @ S + Y[:, :, i] @ U)
+        S = S * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ U
+    o = torch.stack(outs, dim=2).reshape(B, HV, n * C, dv)[:, :, :T]
+    return o.transpose(1, 2), S

@@ -1,0 +1,281 @@
+"""Our own target-model forward pass (gpt-fast style): dense attention and hybrid Gated-DeltaNet models.
+
+Why not transformers' modeling code: speculative decoding needs to control exactly what is written to
+the cache (tree verification must leave the committed state untouched), needs tapped hidden states
+for the drafter, and needs a fast batch-1 decode step. Weights load from HF checkpoints
+(`weaver.models.checkpoint`); logits match transformers for the same weights (tests/test_target_equivalence.py).
+
+Every layer reads the tokens of one forward call through a `Step`: their positions and the attention
+mask against the cache. Tree verification (DESIGN.md §2.5-2.6) is another kind of Step, carrying parent
+pointers, that the mixers dispatch on; the layers themselves do not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weaver.errors import WeaverError
+from weaver.models.cache import ModelCache
+from weaver.models.config import TargetConfig
+from weaver.models.gdn import chunk_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule
+
+
+@dataclass
+class Step:
+    """What every layer needs to know about the tokens of one forward call."""
+
+    positions: torch.Tensor  # (B, T) position ids (RoPE)
+    cos: torch.Tensor  # (B, T, 1, rotary_dim)
+    sin: torch.Tensor
+    start: int  # first cache slot the new tokens occupy (0 without a cache)
+    attn_mask: torch.Tensor | None  # (B, 1, T, start + T) bool, or None when `is_causal`/unmasked suffices
+    is_causal: bool
+    token_mask: torch.Tensor | None  # (B, T) 1 for real tokens, 0 for left padding; None when no padding
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # (B, T_kept, V)
+    hidden: torch.Tensor  # final-norm hidden states (B, T, H)
+    taps: list[torch.Tensor] = field(default_factory=list)  # outputs of the requested decoder layers
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32; scale = offset + weight (offset 1 for zero-centred Qwen3.5 norms)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first `rotary_dim` channels of (B, T, H, D); the rest pass through."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+class Attention(nn.Module):
+    """GQA attention with optional per-head q/k RMSNorm and sigmoid output gate; fused qkv projection."""
+
+    def __init__(self, cfg: TargetConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_width = H * D * (2 if cfg.attn_output_gate else 1)
+        self.qkv = nn.Linear(cfg.hidden_size, self.q_width + 2 * Hkv * D, bias=cfg.attention_bias)
+        self.o = nn.Linear(H * D, cfg.hidden_size, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_offset)
+
+    def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, k, v = self.qkv(x).split([self.q_width, Hkv * D, Hkv * D], dim=-1)
+        gate = None
+        if cfg.attn_output_gate:  # per head: [query | gate]
+            q, gate = q.view(B, T, H, 2 * D).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, H * D)
+        q, k, v = q.reshape(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            end = step.start + T
+            cache.keys[self.layer][:, :, step.start : end] = k
+            cache.values[self.layer][:, :, step.start : end] = v
+            k, v = cache.keys[self.layer][:, :, :end], cache.values[self.layer][:, :, :end]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=step.attn_mask, is_causal=step.is_causal, scale=D**-0.5, enable_gqa=Hkv != H
+        )
+        o = o.transpose(1, 2).reshape(B, T, H * D)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o(o)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5 GDN mixer: fused input projection, short causal conv, gated delta rule, gated RMSNorm."""
+
+    def __init__(self, cfg: TargetConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        self.key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        self.value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        HV = cfg.linear_num_value_heads
+        self.splits = [self.conv_dim, self.value_dim, HV, HV]  # [q k v | z | b | a]
+        self.in_proj = nn.Linear(cfg.hidden_size, sum(self.splits), bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, cfg.linear_conv_kernel))
+        self.A_log = nn.Parameter(torch.empty(HV).uniform_(0.01, 16).log())
+        self.dt_bias = nn.Parameter(torch.ones(HV))
+        self.norm_weight = nn.Parameter(torch.ones(cfg.linear_value_head_dim))
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        nn.init.kaiming_uniform_(self.conv_weight, a=5**0.5)
+
+    def conv(self, mixed: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depthwise causal conv + SiLU over (B, T, C), continuing from the last kernel-1 inputs `state`."""
+        B, T, C = mixed.shape
+        K = self.conv_weight.shape[1]
+        if state is None:
+            state = mixed.new_zeros(B, C, K - 1)
+        window = torch.cat([state, mixed.transpose(1, 2)], dim=-1)  # (B, C, K-1+T)
+        if T == 1:
+            out = (window * self.conv_weight).sum(-1, keepdim=True)
+        else:
+            out = F.conv1d(window, self.conv_weight.unsqueeze(1), groups=C)
+        return F.silu(out).transpose(1, 2), window[..., -(K - 1) :]
+
+    def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
+        if step.token_mask is not None:  # left padding contributes nothing to conv or state
+            mixed = mixed * step.token_mask[..., None].to(mixed.dtype)
+        conv_state = cache.conv[self.layer] if cache is not None else None
+        mixed, new_conv = self.conv(mixed, conv_state)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+        k = k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+        v = v.reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        state = cache.recurrent[self.layer] if cache is not None else None
+        if T == 1 and state is not None:
+            o, new_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        else:
+            o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, state)
+        if cache is not None:
+            cache.conv[self.layer].copy_(new_conv)
+            cache.recurrent[self.layer].copy_(new_state)
+        o = F.rms_norm(o, (o.shape[-1],), self.norm_weight.float(), cfg.rms_norm_eps) * F.silu(
+            z.float().view_as(o)
+        )
+        return self.out_proj(o.to(x.dtype).reshape(B, T, self.value_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer: int):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.mixer = Attention(cfg, layer) if cfg.layer_types[layer] == "full_attention" else GatedDeltaNet(cfg, layer)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
+        x = x + self.mixer(self.input_norm(x), step, cache)
+        return x + self.mlp(self.post_norm(x))
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", cfg.inv_freq.clone(), persistent=False)
+
+    def new_cache(self, batch_size: int, max_len: int) -> ModelCache:
+        p = self.embed.weight
+        return ModelCache.empty(self.cfg, batch_size, max_len, p.dtype, p.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: ModelCache | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        tap_layers: tuple[int, ...] = (),
+        logits_to_keep: int | None = None,
+    ) -> TargetOutput:
+        """Run new tokens (B, T), appending them to `cache` if given.
+
+        attention_mask (B, T): 1 for real tokens, 0 for left padding (first call on a cache only).
+        logits_to_keep: compute logits for the last n positions only (0 = none, None = all).
+        """
+        step = self.plan_step(input_ids, cache, attention_mask)
+        x = self.embed(input_ids)
+        taps = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, step, cache)
+            if i in tap_layers:
+                taps.append(x)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        hidden = self.norm(x)
+        logits = None
+        if logits_to_keep != 0:
+            logits = self.lm_head(hidden if logits_to_keep is None else hidden[:, -logits_to_keep:])
+        return TargetOutput(logits, hidden, taps)
+
+    def plan_step(self, input_ids: torch.Tensor, cache: ModelCache | None, attention_mask: torch.Tensor | None) -> Step:
+        """Positions and attention mask of a causal append (and the cache book-keeping for it)."""
+        B, T = input_ids.shape
+        device = input_ids.device
+        start = 0 if cache is None else cache.length
+        if attention_mask is not None:
+            if start:
+                raise WeaverError("attention_mask (left padding) is only supported on the first call of a cache")
+            attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+            if attention_mask.all():
+                attention_mask = None
+        if attention_mask is None:
+            positions = torch.arange(T, device=device).expand(B, T)
+            if cache is not None:
+                positions = positions + cache.next_position[:, None]
+        else:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        cos, sin = self.rope(positions)
+
+        padded = attention_mask is not None or (cache is not None and cache.padded)
+        if cache is not None:
+            cache.reserve(T)
+            cache.valid[:, start : start + T] = True if attention_mask is None else attention_mask
+            cache.next_position = positions[:, -1] + 1
+            cache.padded = padded
+        if not padded and start == 0 and T > 1:
+            return Step(positions, cos, sin, start, None, True, None)
+        if not padded and T == 1:
+            return Step(positions, cos, sin, start, None, False, None)
+        slots = torch.arange(start + T, device=device)
+        causal = slots[None, :] <= (start + torch.arange(T, device=device))[:, None]  # (T, S)
+        keys_valid = cache.valid[:, : start + T] if cache is not None else attention_mask
+        mask = causal[None] if keys_valid is None else causal[None] & keys_valid[:, None, :]
+        mask = mask | (slots[None, None, :] == start + torch.arange(T, device=device)[None, :, None])  # pads see self
+        token_mask = attention_mask.to(self.embed.weight.dtype) if attention_mask is not None else None
+        return Step(positions, cos, sin, start, mask[:, None], False, token_mask)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        dtype = self.embed.weight.dtype
+        scale = self.cfg.rope_scaling
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
