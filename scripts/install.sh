@@ -2,7 +2,7 @@
 # One-step set-up on a fresh machine; quick when everything is already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+PY=${PYTHON:-python}
 # A CPU box gets the CPU build of torch (a plain `pip install torch` may pull a multi-GB CUDA build).
 # On a GPU box, install the torch you want before running this script.
 if ! $PY -c "import torch" 2>/dev/null; then

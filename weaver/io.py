@@ -14,13 +14,22 @@ from typing import Any
 from weaver.errors import WeaverError
 
 
+def writable_dir(folder: Path) -> Path:
+    """Create `folder` if needed; one clear error if that is impossible or it cannot be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise WeaverError(f"output folder is not writable: {folder} ({err.strerror})") from None
+    if not os.access(folder, os.W_OK):
+        raise WeaverError(f"output folder is not writable: {folder}")
+    return folder
+
+
 @contextmanager
 def atomic_dir(out_dir: Path) -> Iterator[Path]:
     """Yield a temporary sibling folder; rename it to `out_dir` only if the block succeeds."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(out_dir.parent, os.W_OK):
-        raise WeaverError(f"output folder is not writable: {out_dir.parent}")
+    writable_dir(out_dir.parent)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
         yield tmp
@@ -37,7 +46,7 @@ def atomic_dir(out_dir: Path) -> Iterator[Path]:
 
 def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    writable_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:

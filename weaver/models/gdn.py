@@ -38,6 +38,22 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.T
     return q.transpose(1, 2), k.transpose(1, 2), v.float().transpose(1, 2)
 
 
+def invert_unit_lower(X: torch.Tensor) -> torch.Tensor:
+    """(I + X)^-1 for strictly lower-triangular X (..., n, n).
+
+    X is nilpotent, so (I + X)^-1 = (I - X)(I + X^2)(I + X^4)...: log2(n) batched matmuls. On CPU this
+    is orders of magnitude faster than LAPACK's batched triangular solve at these sizes, and it is
+    differentiable for free.
+    """
+    n = X.shape[-1]
+    power = -X
+    inverse = torch.eye(n, dtype=X.dtype, device=X.device) + power
+    for _ in range(max(n - 1, 1).bit_length() - 1):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    return inverse
+
+
 def recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +68,23 @@ def recurrent_gated_delta_rule(
         S = S + k[:, :, t, :, None] * delta[:, :, None, :]
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
     return torch.stack(outs, dim=1).to(v.dtype), S
+
+
+def gated_delta_step_(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """One decode step (T = 1), updating `state` in place; same maths as the recurrence, fewest ops."""
+    B, _, H, dk = k.shape
+    HV = v.shape[2]
+    q = l2norm(q.float()).view(B, H, 1, 1, dk) * dk**-0.5
+    k = l2norm(k.float()).view(B, H, 1, 1, dk)
+    if HV != H:  # grouped value heads: each q/k head serves HV // H consecutive value heads
+        q, k = q.expand(B, H, HV // H, 1, dk), k.expand(B, H, HV // H, 1, dk)
+    q, k = q.reshape(B, HV, 1, dk), k.reshape(B, HV, 1, dk)
+    state.mul_(g.float().view(B, HV, 1, 1).exp())
+    delta = (v.float().view(B, HV, 1, -1) - k @ state) * beta.float().view(B, HV, 1, 1)
+    state.add_(k.transpose(-1, -2) @ delta)
+    return (q @ state).view(B, 1, HV, -1)
 
 
 def chunk_gated_delta_rule(
@@ -80,10 +113,10 @@ def chunk_gated_delta_rule(
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     D = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(G_i - G_j), j <= i
     X = (beta[..., None] * (k @ k.transpose(-1, -2)) * D).tril(-1)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    inverse = invert_unit_lower(X)
     # (I + X) U = beta V - beta a (K S0): split into a state-free part W1 and the state multiplier W2.
-    W1 = torch.linalg.solve_triangular(eye + X, beta[..., None] * v, upper=False, unitriangular=True)
-    W2 = torch.linalg.solve_triangular(eye + X, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
+    W1 = inverse @ (beta[..., None] * v)
+    W2 = inverse @ ((beta * G.exp())[..., None] * k)
     Y = (q @ k.transpose(-1, -2)) * D
     q_decayed = q * G.exp()[..., None]
     k_to_end = k * (G[..., -1:] - G).exp()[..., None]

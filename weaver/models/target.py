@@ -12,6 +12,7 @@ pointers, that the mixers dispatch on; the layers themselves do not change.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
 from weaver.models.config import TargetConfig
-from weaver.models.gdn import chunk_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule
+from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_, gdn_gates
 
 
 @dataclass
@@ -53,8 +54,15 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.weight.float() + self.offset if self.offset else self.weight.float()
-        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight + self.offset if self.offset else self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * scale in fp32, cast back. Written out: torch's CPU rms_norm is a slower composite,
+    and skipping no-op casts matters in the batch-1 decode loop, which is dispatch-bound."""
+    h = x if x.dtype == torch.float32 else x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (scale if scale.dtype == torch.float32 else scale.float())
+    return h if h.dtype == x.dtype else h.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,10 +142,8 @@ class GatedDeltaNet(nn.Module):
         if state is None:
             state = mixed.new_zeros(B, C, K - 1)
         window = torch.cat([state, mixed.transpose(1, 2)], dim=-1)  # (B, C, K-1+T)
-        if T == 1:
-            out = (window * self.conv_weight).sum(-1, keepdim=True)
-        else:
-            out = F.conv1d(window, self.conv_weight.unsqueeze(1), groups=C)
+        # K shifted multiply-adds: cheaper than a depthwise conv1d on CPU, and its backward far cheaper
+        out = sum(window[..., j : j + T] * self.conv_weight[:, j, None] for j in range(K))
         return F.silu(out).transpose(1, 2), window[..., -(K - 1) :]
 
     def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
@@ -153,17 +159,16 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         v = v.reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-        state = cache.recurrent[self.layer] if cache is not None else None
-        if T == 1 and state is not None:
-            o, new_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        if cache is None:
+            o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
+        elif T == 1:  # decode: update the cached state in place
+            o = gated_delta_step_(q, k, v, g, beta, cache.recurrent[self.layer])
+            cache.conv[self.layer].copy_(new_conv)
         else:
-            o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, state)
-        if cache is not None:
+            o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, cache.recurrent[self.layer])
             cache.conv[self.layer].copy_(new_conv)
             cache.recurrent[self.layer].copy_(new_state)
-        o = F.rms_norm(o, (o.shape[-1],), self.norm_weight.float(), cfg.rms_norm_eps) * F.silu(
-            z.float().view_as(o)
-        )
+        o = rms_norm(o, self.norm_weight, cfg.rms_norm_eps) * F.silu(z.view_as(o).float())
         return self.out_proj(o.to(x.dtype).reshape(B, T, self.value_dim))
 
 
@@ -202,6 +207,19 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", cfg.inv_freq.clone(), persistent=False)
+        self._compiled_forward: Callable[..., TargetOutput] | None = None
+
+    def decode_fn(self, compiled: bool = False) -> Callable[..., TargetOutput]:
+        """The forward for single-token steps: eager, or compiled once per model with torch.compile.
+
+        Batch-1 decode of a small model is dispatch-bound (about a thousand tiny ops per token); inductor
+        fuses them. Compilation takes about a minute on 2 CPU cores, so it pays off for long runs only.
+        """
+        if not compiled:
+            return self.forward
+        if self._compiled_forward is None:
+            self._compiled_forward = torch.compile(self.forward, dynamic=True)
+        return self._compiled_forward
 
     def new_cache(self, batch_size: int, max_len: int) -> ModelCache:
         p = self.embed.weight

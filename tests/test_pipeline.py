@@ -1,0 +1,114 @@
+"""The Hydra pipeline end to end at smoke size, stage reuse, resume, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
+
+from hf_tiny import VOCAB
+from weaver.models.checkpoint import load_target
+from weaver.train.common import Checkpoints, fit, make_accelerator
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(script: str, outputs: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WEAVER_OUTPUTS": str(outputs), "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, script, *overrides], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> Path:
+    outputs = tmp_path_factory.mktemp("outputs")
+    done = run("train.py", outputs, "+experiment=smoke")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return outputs
+
+
+def test_smoke_pipeline_writes_a_transformers_checkpoint(smoke):
+    artifacts = json.loads((smoke / "smoke" / "artifacts.json").read_text())
+    target = Path(artifacts["target"])
+    assert {"config.json", "model.safetensors", "tokenizer.json", "train_summary.json"} <= {p.name for p in target.iterdir()}
+    summary = json.loads((target / "train_summary.json").read_text())
+    assert summary["step"] == 40 and summary["loss"] < 6.0  # ln(512) = 6.24 at random init
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    ids = torch.randint(0, 512, (1, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(load_target(str(target))(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
+    assert not list((smoke / "artifacts").glob("*.work")), "work folders are removed once a stage is done"
+
+
+def test_rerun_reuses_artifacts(smoke):
+    again = run("train.py", smoke, "+experiment=smoke")
+    assert again.returncode == 0
+    assert "[corpus] up to date" in again.stdout and "[target] up to date" in again.stdout
+
+
+def test_eval_writes_result_rows(smoke, tmp_path):
+    done = run("eval.py", smoke, "+experiment=smoke", f"eval.out_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert rows and rows[0]["method"] == "ar" and rows[0]["n_tokens"] > 0 and rows[0]["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "script,overrides,message",
+    [
+        ("eval.py", ["+experiment=smoke", "model.hf_config.hidden_size=48"], "no trained target"),
+        ("eval.py", ["+experiment=smoke", "eval.methods=[nope]"], "unknown method/dataset ['nope']"),
+        ("train.py", ["+experiment=smoke", "stages=[nope]"], "unknown stage(s) ['nope']"),
+        ("train.py", ["+experiment=smoke", "model.hf_config.hidden_size=abc"], "invalid model.hf_config"),
+        ("eval.py", ["+experiment=smoke", "model=qwen3_8b", "model.path=/no/such/folder"], "checkpoint folder not found"),
+    ],
+)
+def test_bad_input_is_one_clear_line(smoke, script, overrides, message):
+    done = run(script, smoke, *overrides)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_unwritable_results_folder(smoke, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a folder cannot be created below a file, even by root
+    done = run("eval.py", smoke, "+experiment=smoke", f"eval.out_dir={blocker}/sub")
+    assert done.returncode == 2 and "output folder is not writable" in done.stderr
+
+
+def _toy_fit(work_dir: Path, steps: int, crash_at: int | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB))
+    data = torch.randint(0, VOCAB, (64, 9))
+    train = OmegaConf.create(dict(steps=steps, batch_size=8, warmup_steps=2, decay_fraction=0.3, min_lr_ratio=0.1,
+                                  grad_clip=1.0, log_every=1, eval_every=100, checkpoint_every=3))
+    cfg = OmegaConf.create(dict(wandb=dict(enabled=False, mode="disabled"), device="cpu", paths=dict(root=str(work_dir))))
+    seen = []
+
+    def loss_fn(m, batch):
+        seen.append(1)
+        if crash_at is not None and len(seen) == crash_at:
+            raise KeyboardInterrupt("simulated crash")
+        logits = m(batch[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()), {}
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fit(make_accelerator(cfg, "toy"), model, optimizer, list(data), torch.stack, loss_fn, train, work_dir, seed=0)
+    return model
+
+
+def test_resume_after_crash_matches_uninterrupted(tmp_path):
+    reference = _toy_fit(tmp_path / "a", steps=14)
+    with pytest.raises(KeyboardInterrupt):
+        _toy_fit(tmp_path / "b", steps=14, crash_at=11)  # dies after the step-9 checkpoint
+    assert Checkpoints(tmp_path / "b" / "checkpoints").latest()[0] == 9
+    resumed = _toy_fit(tmp_path / "b", steps=14)
+    for p, q in zip(reference.parameters(), resumed.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)

@@ -1,0 +1,30 @@
+"""What the entry points share: set-up, and one clear line instead of a traceback for bad input."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from weaver.errors import WeaverError
+
+T = TypeVar("T")
+
+
+def run_cli(job: Callable[[DictConfig], T], cfg: DictConfig) -> T:
+    """Run a Hydra job; WeaverError and config errors print `error: ...` and exit with status 2."""
+    sys.modules.setdefault("fla", None) if not _cuda() else None  # fla's Triton kernels need a GPU
+    try:
+        return job(cfg)
+    except (WeaverError, OmegaConfBaseException, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,140 @@
+"""Named stages over one Hydra config; each stage's artifact is content-addressed and reused.
+
+An artifact lives in `<paths.root>/artifacts/<stage>-<key>/`, where key hashes the config slice the
+stage reads plus the keys of the stages it consumes: rerunning with the same config skips the stage,
+changing e.g. the model width retrains the target and everything downstream. Training state of an
+unfinished stage lives beside it in `<stage>-<key>.work/` (checkpoints), so a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from weaver.errors import WeaverError
+from weaver.io import atomic_write_json
+
+
+def _package_dir(name: str) -> str:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise WeaverError(f"package '{name}' is not installed (scripts/install.sh installs it)")
+    return str(Path(spec.origin).parent)
+
+
+ROOT_CONF = Path(__file__).resolve().parents[1] / "conf"  # the Hydra config tree (editable install)
+
+OmegaConf.register_new_resolver("pkg_dir", _package_dir, replace=True)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    inputs: tuple[str, ...]  # stages whose artifacts this one reads
+    config: Callable[[DictConfig], list]  # the config slices that determines the artifact
+    run: Callable[[DictConfig, Path, Path], None]  # (cfg, out_dir, work_dir); must write out_dir atomically
+    needed: Callable[[DictConfig], bool] = lambda cfg: True
+
+
+def _run_corpus(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    from weaver.data.corpus import build_corpus
+
+    d = cfg.data
+    build_corpus(list(d.sources), d.max_bytes, d.vocab_size, d.seq_len, d.val_fraction, cfg.seed, out_dir)
+
+
+def _run_target(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    from weaver.train.target import train_target
+
+    train_target(cfg, artifact_dir(cfg, "corpus"), out_dir, work_dir)
+
+
+def _scratch(cfg: DictConfig) -> bool:
+    return cfg.model.source == "scratch"
+
+
+STAGES: dict[str, Stage] = {
+    "corpus": Stage("corpus", (), lambda cfg: [cfg.data, cfg.seed], _run_corpus, needed=_scratch),
+    "target": Stage("target", ("corpus",), lambda cfg: [cfg.model, cfg.seed], _run_target, needed=_scratch),
+}
+
+
+def stage_key(cfg: DictConfig, name: str) -> str:
+    stage = STAGES[name]
+    payload = {
+        "stage": name,
+        "config": [OmegaConf.to_container(c, resolve=True) if OmegaConf.is_config(c) else c for c in stage.config(cfg)],
+        "inputs": [stage_key(cfg, up) for up in stage.inputs],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def artifact_dir(cfg: DictConfig, name: str) -> Path:
+    return Path(cfg.paths.root) / "artifacts" / f"{name}-{stage_key(cfg, name)}"
+
+
+def run_stages(cfg: DictConfig) -> dict[str, str]:
+    """Run cfg.stages in order (with their inputs first); returns {stage: artifact folder}."""
+    unknown = [s for s in cfg.stages if s not in STAGES]
+    if unknown:
+        raise WeaverError(f"unknown stage(s) {unknown}; available: {', '.join(STAGES)}")
+    done: dict[str, str] = {}
+    for name in _with_inputs(list(cfg.stages)):
+        stage = STAGES[name]
+        if not stage.needed(cfg):
+            print(f"[{name}] not needed for model source '{cfg.model.source}'")
+            continue
+        out_dir = artifact_dir(cfg, name)
+        if out_dir.exists():
+            print(f"[{name}] up to date: {out_dir}")
+        else:
+            print(f"[{name}] building {out_dir}")
+            work_dir = out_dir.with_name(out_dir.name + ".work")
+            stage.run(cfg, out_dir, work_dir)
+            shutil.rmtree(work_dir, ignore_errors=True)
+        done[name] = str(out_dir)
+    atomic_write_json(Path(cfg.paths.root) / cfg.experiment / "artifacts.json", done)
+    return done
+
+
+def _with_inputs(names: list[str]) -> list[str]:
+    order: list[str] = []
+
+    def visit(name: str) -> None:
+        for up in STAGES[name].inputs:
+            visit(up)
+        if name not in order:
+            order.append(name)
+
+    for name in names:
+        visit(name)
+    return order
+
+
+def load_target_and_tokenizer(cfg: DictConfig):
+    """The experiment's target model and tokenizer: the trained artifact, an HF folder/hub id, or a GGUF."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from weaver.models.checkpoint import load_target, resolve_checkpoint
+
+    dtype = getattr(torch, cfg.model.dtype)
+    if cfg.model.source == "scratch":
+        folder = artifact_dir(cfg, "target")
+        if not folder.exists():
+            raise WeaverError(f"no trained target at {folder}; run `python train.py +experiment={cfg.experiment}` first")
+        return load_target(str(folder), dtype), AutoTokenizer.from_pretrained(folder)
+    if cfg.model.source == "hf":
+        folder = resolve_checkpoint(cfg.model.path)
+        return load_target(str(folder), dtype), AutoTokenizer.from_pretrained(folder)
+    if cfg.model.source == "gguf":
+        model = load_target(cfg.model.path, dtype, gguf_file=cfg.model.gguf_file)
+        return model, AutoTokenizer.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file)
+    raise WeaverError(f"model.source must be scratch, hf or gguf, not '{cfg.model.source}'")

@@ -1,0 +1,152 @@
+"""The training loop every stage shares: accelerate, warmup-stable-decay schedule, W&B, checkpoints, resume.
+
+A stage supplies its model, dataset, collate function and loss; `fit` does the rest. Checkpoints are
+accelerate states (safetensors weights, optimizer, scheduler, RNG) under `work_dir/checkpoints/step-N`,
+written atomically; a rerun of the same stage resumes from the newest one and replays the same batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+from tqdm.auto import tqdm
+
+from weaver.io import atomic_dir
+
+LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
+
+
+def make_accelerator(cfg: DictConfig, run_name: str, precision: str = "fp32") -> Accelerator:
+    """Accelerator with W&B tracking (offline unless WANDB_MODE says otherwise) when enabled."""
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-checkpoint INFO lines drown the bar
+    tracking = cfg.wandb.enabled and cfg.wandb.mode != "disabled"
+    accelerator = Accelerator(
+        mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(precision, "no"),
+        cpu=cfg.device == "cpu",
+        log_with="wandb" if tracking else None,
+    )
+    if tracking:
+        wandb_dir = Path(cfg.paths.root) / "wandb"
+        wandb_dir.mkdir(parents=True, exist_ok=True)
+        accelerator.init_trackers(
+            cfg.wandb.project,
+            config=OmegaConf.to_container(cfg, resolve=True),
+            init_kwargs={"wandb": {"mode": cfg.wandb.mode, "dir": str(wandb_dir), "name": run_name}},
+        )
+    return accelerator
+
+
+def wsd_multiplier(step: int, total: int, warmup: int, decay_fraction: float, min_ratio: float) -> float:
+    """Warmup-stable-decay: linear warmup, flat, then linear decay to `min_ratio` over the last fraction."""
+    if step < warmup:
+        return (step + 1) / warmup
+    decay_start = total - int(math.ceil(decay_fraction * total))
+    if step < decay_start:
+        return 1.0
+    progress = (step - decay_start) / max(1, total - decay_start)
+    return 1.0 - (1.0 - min_ratio) * progress
+
+
+@dataclass
+class Checkpoints:
+    """Numbered accelerate states under `folder`; the newest `keep` are kept."""
+
+    folder: Path
+    keep: int = 2
+
+    def all(self) -> list[tuple[int, Path]]:
+        if not self.folder.exists():
+            return []
+        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name))]
+        return sorted(found)
+
+    def latest(self) -> tuple[int, Path] | None:
+        found = self.all()
+        return found[-1] if found else None
+
+    def save(self, accelerator: Accelerator, step: int) -> None:
+        with atomic_dir(self.folder / f"step-{step:07d}") as tmp:
+            accelerator.save_state(str(tmp), safe_serialization=True)
+        for _, old in self.all()[: -self.keep]:
+            shutil.rmtree(old)
+
+
+def _batches(dataset: Dataset, batch_size: int, collate: Callable, seed: int, epoch: int) -> DataLoader:
+    """One epoch of shuffled batches; the order depends only on (seed, epoch), so resume can replay it."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    sampler = RandomSampler(dataset, generator=generator)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True)
+
+
+def fit(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dataset: Dataset,
+    collate: Callable,
+    loss_fn: LossFn,
+    train: DictConfig,
+    work_dir: Path,
+    seed: int,
+    evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+    desc: str = "train",
+) -> dict[str, float]:
+    """Train for `train.steps` optimizer steps, resuming from the newest checkpoint in work_dir."""
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: wsd_multiplier(s, train.steps, train.warmup_steps, train.decay_fraction, train.min_lr_ratio),
+    )
+    model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
+    checkpoints = Checkpoints(Path(work_dir) / "checkpoints")
+    step = 0
+    if (latest := checkpoints.latest()) is not None:
+        step, path = latest
+        accelerator.load_state(str(path))
+        accelerator.print(f"resuming {desc} from {path} (step {step})")
+    steps_per_epoch = len(dataset) // train.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"dataset of {len(dataset)} rows is smaller than one batch of {train.batch_size}")
+    metrics: dict[str, float] = {}
+    bar = tqdm(total=train.steps, initial=step, desc=desc, disable=not accelerator.is_local_main_process)
+    model.train()
+    while step < train.steps:
+        epoch, offset = divmod(step, steps_per_epoch)
+        loader = accelerator.prepare(_batches(dataset, train.batch_size, collate, seed, epoch))
+        for batch in accelerator.skip_first_batches(loader, offset):
+            with accelerator.autocast():
+                loss, logs = loss_fn(model, batch)
+            accelerator.backward(loss)
+            if train.grad_clip:
+                accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            metrics = {"loss": loss.item(), **logs, "lr": schedule.get_last_lr()[0]}
+            if step % train.log_every == 0 or step == train.steps:
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+                accelerator.log(metrics, step=step)
+            if evaluate is not None and (step % train.eval_every == 0 or step == train.steps):
+                model.eval()
+                metrics.update(evaluate(accelerator.unwrap_model(model)))
+                model.train()
+                accelerator.log(metrics, step=step)
+            if step % train.checkpoint_every == 0 or step == train.steps:
+                checkpoints.save(accelerator, step)
+            if step >= train.steps:
+                break
+    bar.close()
+    model.eval()
+    return {**metrics, "step": step}
