@@ -12,6 +12,8 @@ so prefill and training are a handful of matmuls per chunk instead of one step p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -130,3 +132,47 @@ def chunk_gated_delta_rule(
         S = S * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ U
     o = torch.stack(outs, dim=2).reshape(B, HV, n * C, dv)[:, :, :T]
     return o.transpose(1, 2), S
+
+
+@dataclass
+class PendingGDN:
+    """What a verify pass leaves for the commit: the committed state is never written during verify."""
+
+    k: torch.Tensor  # (B, HV, T, d_k), normalised keys
+    U: torch.Tensor  # (B, HV, T, d_v), solved write vectors u_j
+    G: torch.Tensor  # (B, HV, T), path log-decay G_j (sum of g over ancestors-or-self)
+    ancestors: torch.Tensor  # (T, T) bool, ancestors[i, j]: j is an ancestor of i or i itself
+
+
+def tree_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, ancestors: torch.Tensor,
+) -> tuple[torch.Tensor, PendingGDN]:
+    """Outputs of T nodes in topological order, each continuing its own root-to-node path (DESIGN.md §2.6).
+
+    Parallel form: G_i = sum of g over ancestors-or-self, D_ij = exp(G_i - G_j) on ancestors-or-self,
+    (I + X) U = beta (V - a K S0) with X_ij = beta_i (k_i . k_j) D_ij on strict ancestors,
+    O = a (Q S0) + Y U with Y_ij = (q_i . k_j) D_ij. A chain is the tree whose ancestors are the causal mask.
+    """
+    q, k, v = _prepare(q, k, v)  # (B, HV, T, d)
+    g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # (B, HV, T)
+    S0 = state.float()
+    A = ancestors.to(q.dtype)
+    G = g @ A.T
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(~ancestors, float("-inf")).exp()
+    strict = ancestors & ~torch.eye(len(ancestors), dtype=torch.bool, device=q.device)
+    X = (beta[..., None] * (k @ k.transpose(-1, -2)) * D) * strict
+    a = G.exp()[..., None]
+    U = invert_unit_lower(X) @ (beta[..., None] * (v - a * (k @ S0)))
+    o = a * (q @ S0) + ((q @ k.transpose(-1, -2)) * D) @ U
+    return o.transpose(1, 2), PendingGDN(k, U, G, ancestors)
+
+
+def commit_path(state: torch.Tensor, pending: PendingGDN, leaf: int) -> torch.Tensor:
+    """State after the accepted root-to-`leaf` path: S_l = a_l S0 + sum_{j on path} D_lj k_j u_j^T.
+
+    One rank-|path| update of the untouched committed state: no replay, no per-node snapshots.
+    """
+    G_leaf = pending.G[..., leaf : leaf + 1]  # (B, HV, 1)
+    weights = torch.where(pending.ancestors[leaf], (G_leaf - pending.G).exp(), 0.0)  # (B, HV, T)
+    return state.float() * G_leaf[..., None].exp() + (pending.k * weights[..., None]).transpose(-1, -2) @ pending.U

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,14 @@ from torch import nn
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
 from weaver.models.config import TargetConfig
-from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_, gdn_gates
+from weaver.models.gdn import (
+    chunk_gated_delta_rule,
+    commit_path,
+    gated_delta_step_,
+    gdn_gates,
+    tree_gated_delta_rule,
+)
+from weaver.tree import Tree
 
 
 @dataclass
@@ -36,6 +44,17 @@ class Step:
     attn_mask: torch.Tensor | None  # (B, 1, T, start + T) bool, or None when `is_causal`/unmasked suffices
     is_causal: bool
     token_mask: torch.Tensor | None  # (B, T) 1 for real tokens, 0 for left padding; None when no padding
+    tree: Tree | None = None  # verification: the new tokens form this tree and nothing is committed
+    pending: dict[int, Any] = field(default_factory=dict)  # per GDN layer, what `commit` needs
+
+
+@dataclass
+class Pending:
+    """A verified tree not yet committed: accepted nodes are committed by `TargetModel.commit`."""
+
+    tree: Tree
+    start: int  # cache slot of node 0
+    layers: dict[int, Any]  # GDN layer -> (PendingGDN, conv buffer)
 
 
 @dataclass
@@ -135,16 +154,25 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         nn.init.kaiming_uniform_(self.conv_weight, a=5**0.5)
 
-    def conv(self, mixed: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Depthwise causal conv + SiLU over (B, T, C), continuing from the last kernel-1 inputs `state`."""
+    def conv(
+        self, mixed: torch.Tensor, state: torch.Tensor | None, tree: Tree | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depthwise causal conv + SiLU over (B, T, C), continuing from the last kernel-1 inputs `state`.
+
+        Returns the outputs and the buffer cat(state, inputs) (B, C, K-1+T); on a tree each node's
+        window runs along its ancestors (`Tree.conv_index`).
+        """
         B, T, C = mixed.shape
         K = self.conv_weight.shape[1]
         if state is None:
             state = mixed.new_zeros(B, C, K - 1)
-        window = torch.cat([state, mixed.transpose(1, 2)], dim=-1)  # (B, C, K-1+T)
-        # K shifted multiply-adds: cheaper than a depthwise conv1d on CPU, and its backward far cheaper
-        out = sum(window[..., j : j + T] * self.conv_weight[:, j, None] for j in range(K))
-        return F.silu(out).transpose(1, 2), window[..., -(K - 1) :]
+        buffer = torch.cat([state, mixed.transpose(1, 2)], dim=-1)
+        if tree is None:  # K shifted multiply-adds: cheaper than conv1d on CPU, its backward far cheaper
+            out = sum(buffer[..., j : j + T] * self.conv_weight[:, j, None] for j in range(K))
+        else:
+            windows = buffer[..., tree.conv_index(K)]  # (B, C, T, K)
+            out = (windows * self.conv_weight[:, None, :]).sum(-1)
+        return F.silu(out).transpose(1, 2), buffer
 
     def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
         cfg = self.cfg
@@ -153,7 +181,7 @@ class GatedDeltaNet(nn.Module):
         if step.token_mask is not None:  # left padding contributes nothing to conv or state
             mixed = mixed * step.token_mask[..., None].to(mixed.dtype)
         conv_state = cache.conv[self.layer] if cache is not None else None
-        mixed, new_conv = self.conv(mixed, conv_state)
+        mixed, conv_buffer = self.conv(mixed, conv_state, step.tree)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         k = k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
@@ -161,15 +189,25 @@ class GatedDeltaNet(nn.Module):
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         if cache is None:
             o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
+        elif step.tree is not None:  # verify: read the committed state, write nothing
+            o, pending = tree_gated_delta_rule(q, k, v, g, beta, cache.recurrent[self.layer], step.tree.ancestors)
+            step.pending[self.layer] = (pending, conv_buffer)
         elif T == 1:  # decode: update the cached state in place
             o = gated_delta_step_(q, k, v, g, beta, cache.recurrent[self.layer])
-            cache.conv[self.layer].copy_(new_conv)
+            cache.conv[self.layer].copy_(conv_buffer[..., 1:])
         else:
             o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, cache.recurrent[self.layer])
-            cache.conv[self.layer].copy_(new_conv)
+            cache.conv[self.layer].copy_(conv_buffer[..., -(self.conv_weight.shape[1] - 1) :])
             cache.recurrent[self.layer].copy_(new_state)
         o = rms_norm(o, self.norm_weight, cfg.rms_norm_eps) * F.silu(z.view_as(o).float())
         return self.out_proj(o.to(x.dtype).reshape(B, T, self.value_dim))
+
+
+    def commit(self, cache: ModelCache, pending: Any, tree: Tree, leaf: int) -> None:
+        """Commit the root-to-leaf path: one rank-|path| state update and the path's last conv inputs."""
+        gdn, conv_buffer = pending
+        cache.recurrent[self.layer].copy_(commit_path(cache.recurrent[self.layer], gdn, leaf))
+        cache.conv[self.layer].copy_(conv_buffer[..., tree.conv_index(self.conv_weight.shape[1])[leaf, 1:]])
 
 
 class MLP(nn.Module):
@@ -240,14 +278,51 @@ class TargetModel(nn.Module):
         logits_to_keep: compute logits for the last n positions only (0 = none, None = all).
         """
         step = self.plan_step(input_ids, cache, attention_mask)
+        output = self.run_layers(input_ids, step, cache, tap_layers, logits_to_keep)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return output
+
+    def verify(self, tree: Tree, cache: ModelCache, tap_layers: tuple[int, ...] = ()) -> tuple[TargetOutput, Pending]:
+        """Logits of every node of a draft tree (batch 1), each seeing the committed context plus its
+        ancestors. Nothing is committed: attention KV goes to scratch slots past `cache.length` and
+        GDN layers only read their state; `commit` then keeps the accepted path."""
+        if cache.batch_size != 1:
+            raise WeaverError("tree verification runs at batch 1")
+        T, start = len(tree), cache.length
+        cache.reserve(T)
+        positions = cache.next_position[:, None] + tree.depth[None]
+        cos, sin = self.rope(positions)
+        mask = torch.cat([cache.valid[:, None, :start].expand(1, T, start), tree.ancestors[None]], dim=-1)
+        step = Step(positions, cos, sin, start, mask[:, None], False, None, tree=tree)
+        output = self.run_layers(tree.tokens[None], step, cache, tap_layers, None)
+        return output, Pending(tree, start, step.pending)
+
+    def commit(self, cache: ModelCache, pending: Pending, leaf: int) -> None:
+        """Commit the root-to-`leaf` path of a verified tree: compact its KV, update GDN states."""
+        path = pending.tree.path_to(leaf)
+        start, n = pending.start, len(path)
+        for layer in self.layers:
+            mixer = layer.mixer
+            if isinstance(mixer, GatedDeltaNet):
+                mixer.commit(cache, pending.layers[mixer.layer], pending.tree, leaf)
+            else:  # move the path's keys/values to consecutive slots (a no-op for a chain prefix)
+                for kv in (cache.keys[mixer.layer], cache.values[mixer.layer]):
+                    kv[:, :, start : start + n] = kv[:, :, start + path]
+        cache.valid[:, start : start + n] = True
+        cache.next_position = cache.next_position + n
+        cache.length = start + n
+
+    def run_layers(
+        self, input_ids: torch.Tensor, step: Step, cache: ModelCache | None, tap_layers: tuple[int, ...],
+        logits_to_keep: int | None,
+    ) -> TargetOutput:
         x = self.embed(input_ids)
         taps = []
         for i, layer in enumerate(self.layers):
             x = layer(x, step, cache)
             if i in tap_layers:
                 taps.append(x)
-        if cache is not None:
-            cache.length += input_ids.shape[1]
         hidden = self.norm(x)
         logits = None
         if logits_to_keep != 0:

@@ -1,0 +1,93 @@
+"""Tree verification (rollback-free) against running the target on each root-to-node path alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_tiny import VOCAB, save_tiny_hf_model
+from weaver.models.checkpoint import load_target
+from weaver.models.gdn import commit_path, gdn_gates, recurrent_gated_delta_rule, tree_gated_delta_rule
+from weaver.tree import Tree
+
+
+def random_tree(T: int, gen: torch.Generator, shape: str = "random") -> Tree:
+    if shape == "chain":
+        parents = torch.arange(-1, T - 1)
+    elif shape == "star":
+        parents = torch.full((T,), -1)
+    else:
+        parents = torch.tensor([int(torch.randint(-1, i, (1,), generator=gen)) for i in range(T)])
+    return Tree(torch.randint(3, VOCAB, (T,), generator=gen), parents)
+
+
+SHAPES = [(1, "random"), (6, "chain"), (6, "star"), (9, "random"), (17, "random"), (24, "random")]
+
+
+@pytest.mark.parametrize("T,shape", SHAPES)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_parallel_tree_gdn_equals_per_branch_recurrence(T, shape, groups):
+    gen = torch.Generator().manual_seed(T * 7 + groups)
+    tree = random_tree(T, gen, shape)
+    H, HV, dk, dv = 2, 2 * groups, 8, 6
+    q, k = torch.randn(1, T, H, dk, generator=gen), torch.randn(1, T, H, dk, generator=gen)
+    v = torch.randn(1, T, HV, dv, generator=gen)
+    g, beta = gdn_gates(torch.randn(1, T, HV, generator=gen), torch.randn(1, T, HV, generator=gen),
+                        torch.randn(HV, generator=gen), torch.randn(HV, generator=gen))
+    S0 = torch.randn(1, HV, dk, dv, generator=gen)
+    o, pending = tree_gated_delta_rule(q, k, v, g, beta, S0, tree.ancestors)
+    for node in range(T):
+        path = tree.path_to(node)
+        o_ref, s_ref = recurrent_gated_delta_rule(q[:, path], k[:, path], v[:, path], g[:, path], beta[:, path], S0)
+        torch.testing.assert_close(o[:, node], o_ref[:, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(commit_path(S0, pending, node), s_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3"])
+def target(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    save_tiny_hf_model(request.param, folder)
+    return load_target(str(folder))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("T,shape", SHAPES)
+def test_tree_logits_equal_path_logits_and_commit_equals_append(target, T, shape):
+    gen = torch.Generator().manual_seed(T)
+    context = torch.randint(3, VOCAB, (1, 10), generator=gen)
+    tree = random_tree(T, gen, shape)
+    cache = target.new_cache(1, 64)
+    target(context, cache)
+    out, pending = target.verify(tree, cache)
+    for node in range(T):
+        path_tokens = tree.tokens[tree.path_to(node)]
+        alone = target(torch.cat([context[0], path_tokens])[None]).logits[0, -1]
+        torch.testing.assert_close(out.logits[0, node], alone, atol=1e-4, rtol=0)
+
+    leaf = int(torch.randint(0, T, (1,), generator=gen))
+    target.commit(cache, pending, leaf)
+    reference = target.new_cache(1, 64)
+    target(torch.cat([context[0], tree.tokens[tree.path_to(leaf)]])[None], reference)
+    assert cache.length == reference.length
+    torch.testing.assert_close(cache.next_position, reference.next_position)
+    for mine, theirs in zip(cache.recurrent + cache.conv, reference.recurrent + reference.conv):
+        if mine is not None:
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    follow = torch.randint(3, VOCAB, (1, 3), generator=gen)
+    torch.testing.assert_close(target(follow, cache).logits, target(follow, reference).logits, atol=1e-4, rtol=0)
+
+
+def test_wrong_parent_pointer_is_caught():
+    """A corrupted parent pointer changes what a node sees, so the path comparison must fail."""
+    gen = torch.Generator().manual_seed(1)
+    tree = random_tree(8, gen, "chain")
+    broken = Tree(tree.tokens, torch.tensor([-1, 0, 1, 1, 3, 4, 5, 6]))  # node 3 hangs off node 1
+    H, dk, dv = 1, 4, 4
+    q, k, v = (torch.randn(1, 8, H, d, generator=gen) for d in (dk, dk, dv))
+    g, beta = gdn_gates(torch.randn(1, 8, H), torch.randn(1, 8, H), torch.zeros(H), torch.zeros(H))
+    S0 = torch.randn(1, H, dk, dv)
+    o_chain, _ = tree_gated_delta_rule(q, k, v, g, beta, S0, tree.ancestors)
+    o_broken, _ = tree_gated_delta_rule(q, k, v, g, beta, S0, broken.ancestors)
+    assert (o_chain[:, 3:] - o_broken[:, 3:]).abs().max() > 1e-3
+    torch.testing.assert_close(o_chain[:, :3], o_broken[:, :3])

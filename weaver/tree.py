@@ -1,0 +1,67 @@
+"""Draft trees: nodes in topological order (parents before children) and what verification derives.
+
+Node 0..T-1; `parents[i]` is the parent node, or -1 when the parent is the last committed token.
+A chain (DFlash) is the tree whose parents are -1, 0, 1, ..., T-2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from weaver.errors import WeaverError
+
+
+@dataclass(frozen=True, eq=False)
+class Tree:
+    tokens: torch.Tensor  # (T,) long
+    parents: torch.Tensor  # (T,) long, -1 for children of the committed context
+
+    def __post_init__(self) -> None:
+        if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1 or len(self.tokens) == 0:
+            raise WeaverError("a tree needs matching non-empty 1-d tokens and parents")
+        if bool((self.parents >= torch.arange(len(self.parents), device=self.parents.device)).any()):
+            raise WeaverError("tree nodes must be in topological order (parent index < node index)")
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> "Tree":
+        return cls(tokens, torch.arange(-1, len(tokens) - 1, device=tokens.device))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @cached_property
+    def ancestors(self) -> torch.Tensor:
+        """(T, T) bool: [i, j] when node j is an ancestor of node i or i itself."""
+        T = len(self)
+        anc = torch.eye(T, dtype=torch.bool, device=self.tokens.device)
+        for i in range(T):  # topological order: a parent's row is final before its children's
+            if self.parents[i] >= 0:
+                anc[i] |= anc[self.parents[i]]
+        return anc
+
+    @cached_property
+    def depth(self) -> torch.Tensor:
+        """(T,) 0 for children of the committed context; position id = next position + depth."""
+        return self.ancestors.sum(-1) - 1
+
+    def path_to(self, leaf: int) -> torch.Tensor:
+        """Root-to-leaf node indices (ascending = topological order)."""
+        return self.ancestors[leaf].nonzero().squeeze(-1)
+
+    def conv_index(self, kernel: int) -> torch.Tensor:
+        """(T, kernel) indices into cat(committed conv state (kernel-1 inputs), node inputs (T)).
+
+        Row i is node i's causal-conv window: its nearest kernel-1 ancestors (oldest first) then itself,
+        falling back to the committed conv state past the root.
+        """
+        T = len(self)
+        index = torch.empty(T, kernel, dtype=torch.long, device=self.tokens.device)
+        node = torch.arange(T, device=self.tokens.device)
+        index[:, kernel - 1] = kernel - 1 + node
+        for m in range(1, kernel):
+            node = torch.where(node >= 0, self.parents[node.clamp(min=0)], node)
+            index[:, kernel - 1 - m] = torch.where(node >= 0, kernel - 1 + node, kernel - 1 - (m - self.depth))
+        return index
