@@ -37,6 +37,7 @@ def test_smoke_pipeline_writes_a_transformers_checkpoint(smoke):
     artifacts = json.loads((smoke / "smoke" / "artifacts.json").read_text())
     target = Path(artifacts["target"])
     assert {"config.json", "model.safetensors", "tokenizer.json", "train_summary.json"} <= {p.name for p in target.iterdir()}
+    assert (Path(artifacts["rollouts"]) / "dataset").is_dir() and (Path(artifacts["drafter"]) / "config.json").exists()
     summary = json.loads((target / "train_summary.json").read_text())
     assert summary["step"] == 40 and summary["loss"] < 6.0  # ln(512) = 6.24 at random init
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
@@ -49,14 +50,18 @@ def test_smoke_pipeline_writes_a_transformers_checkpoint(smoke):
 def test_rerun_reuses_artifacts(smoke):
     again = run("train.py", smoke, "+experiment=smoke")
     assert again.returncode == 0
-    assert "[corpus] up to date" in again.stdout and "[target] up to date" in again.stdout
+    for stage in ("corpus", "target", "rollouts", "drafter"):
+        assert f"[{stage}] up to date" in again.stdout
 
 
 def test_eval_writes_result_rows(smoke, tmp_path):
     done = run("eval.py", smoke, "+experiment=smoke", f"eval.out_dir={tmp_path}")
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert rows and rows[0]["method"] == "ar" and rows[0]["n_tokens"] > 0 and rows[0]["tokens_per_s"] > 0
+    rows = {r["method"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert rows["ar"]["n_tokens"] > 0 and rows["ar"]["tokens_per_s"] > 0 and rows["ar"]["tau"] == 1.0
+    chain = rows["chain"]  # the drafter trained by the smoke pipeline, verified losslessly
+    assert chain["greedy_match"] is True and chain["budget"] == 7 and chain["tau"] >= 1.0
+    assert sum(chain["accept_hist"]) > 0 and 0 < chain["draft_share"] < 1
 
 
 @pytest.mark.parametrize(

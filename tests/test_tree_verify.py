@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_tiny import VOCAB, save_tiny_hf_model
-from weaver.models.checkpoint import load_target
+from hf_tiny import VOCAB
 from weaver.models.gdn import commit_path, gdn_gates, recurrent_gated_delta_rule, tree_gated_delta_rule
 from weaver.tree import Tree
 
@@ -41,14 +40,6 @@ def test_parallel_tree_gdn_equals_per_branch_recurrence(T, shape, groups):
         o_ref, s_ref = recurrent_gated_delta_rule(q[:, path], k[:, path], v[:, path], g[:, path], beta[:, path], S0)
         torch.testing.assert_close(o[:, node], o_ref[:, -1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(commit_path(S0, pending, node), s_ref, atol=1e-5, rtol=1e-5)
-
-
-@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3"])
-def target(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    save_tiny_hf_model(request.param, folder)
-    return load_target(str(folder))
 
 
 @torch.no_grad()

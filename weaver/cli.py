@@ -16,7 +16,8 @@ T = TypeVar("T")
 
 def run_cli(job: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     """Run a Hydra job; WeaverError and config errors print `error: ...` and exit with status 2."""
-    sys.modules.setdefault("fla", None) if not _cuda() else None  # fla's Triton kernels need a GPU
+    if not _cuda():  # fla's Triton kernels need a GPU; keep transformers on its torch path
+        sys.modules.setdefault("fla", None)
     try:
         return job(cfg)
     except (WeaverError, OmegaConfBaseException, FileNotFoundError) as err:

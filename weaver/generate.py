@@ -65,10 +65,11 @@ def generate(
                 break
         if n < max_new_tokens:
             logits = step(token[:, None], cache).logits[:, -1]
-    return [_until_eos(row[:n].tolist(), eos_token_id) for row in out]
+    return [until_eos(row[:n].tolist(), eos_token_id) for row in out]
 
 
-def _until_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
+def until_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
+    """Tokens up to and including the first eos."""
     if eos_token_id is not None and eos_token_id in tokens:
         return tokens[: tokens.index(eos_token_id) + 1]
     return tokens

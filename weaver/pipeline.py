@@ -56,13 +56,36 @@ def _run_target(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
     train_target(cfg, artifact_dir(cfg, "corpus"), out_dir, work_dir)
 
 
+def _run_rollouts(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    from weaver.data.rollouts import corpus_prompts, generate_rollouts
+
+    r = cfg.rollouts
+    if r.prompts != "corpus":
+        raise WeaverError(f"rollouts.prompts '{r.prompts}' is not supported yet (only 'corpus')")
+    target, tokenizer = load_target_and_tokenizer(cfg)
+    prompts = corpus_prompts(artifact_dir(cfg, "corpus"), r.n_prompts, r.prompt_tokens, cfg.seed)
+    generate_rollouts(target, prompts, r, tokenizer.eos_token_id, cfg.seed, out_dir, work_dir)
+
+
+def _run_drafter(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    from weaver.train.drafter import train_drafter
+
+    target, tokenizer = load_target_and_tokenizer(cfg)
+    train_drafter(cfg, target, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir)
+
+
 def _scratch(cfg: DictConfig) -> bool:
     return cfg.model.source == "scratch"
 
 
 STAGES: dict[str, Stage] = {
-    "corpus": Stage("corpus", (), lambda cfg: [cfg.data, cfg.seed], _run_corpus, needed=_scratch),
+    "corpus": Stage("corpus", (), lambda cfg: [cfg.data, cfg.seed], _run_corpus),
     "target": Stage("target", ("corpus",), lambda cfg: [cfg.model, cfg.seed], _run_target, needed=_scratch),
+    "rollouts": Stage("rollouts", ("target",), lambda cfg: [cfg.rollouts, cfg.seed], _run_rollouts),
+    "drafter": Stage(
+        "drafter", ("rollouts",), lambda cfg: [cfg.drafter, cfg.seed], _run_drafter,
+        needed=lambda cfg: cfg.drafter.path is None,
+    ),
 }
 
 
@@ -89,7 +112,7 @@ def run_stages(cfg: DictConfig) -> dict[str, str]:
     for name in _with_inputs(list(cfg.stages)):
         stage = STAGES[name]
         if not stage.needed(cfg):
-            print(f"[{name}] not needed for model source '{cfg.model.source}'")
+            print(f"[{name}] not needed with this config (pretrained model or checkpoint given)")
             continue
         out_dir = artifact_dir(cfg, name)
         if out_dir.exists():
@@ -138,3 +161,15 @@ def load_target_and_tokenizer(cfg: DictConfig):
         model = load_target(cfg.model.path, dtype, gguf_file=cfg.model.gguf_file)
         return model, AutoTokenizer.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file)
     raise WeaverError(f"model.source must be scratch, hf or gguf, not '{cfg.model.source}'")
+
+
+def load_drafter_for(cfg: DictConfig, target):
+    """The experiment's drafter: a given DFlash checkpoint (cfg.drafter.path) or the trained artifact."""
+    from weaver.models.drafter_checkpoint import load_drafter
+
+    if cfg.drafter.path is not None:
+        return load_drafter(str(cfg.drafter.path), target)
+    folder = artifact_dir(cfg, "drafter")
+    if not folder.exists():
+        raise WeaverError(f"no trained drafter at {folder}; run `python train.py +experiment={cfg.experiment}` first")
+    return load_drafter(str(folder), target)

@@ -14,11 +14,13 @@ from pathlib import Path
 import datasets
 import torch
 from omegaconf import DictConfig
+from tqdm.auto import tqdm
 
 from weaver.errors import WeaverError
 from weaver.generate import generate
 from weaver.io import atomic_write_text
-from weaver.pipeline import artifact_dir, load_target_and_tokenizer
+from weaver.engine import SpecStats, speculative_generate
+from weaver.pipeline import artifact_dir, load_drafter_for, load_target_and_tokenizer
 
 
 def heldout_code_prompts(cfg: DictConfig, n: int, prompt_tokens: int) -> list[list[int]]:
@@ -34,19 +36,45 @@ def heldout_code_prompts(cfg: DictConfig, n: int, prompt_tokens: int) -> list[li
 PROMPT_SETS = {"heldout_code": heldout_code_prompts}
 
 
-def run_ar(model, prompts: list[list[int]], cfg: DictConfig, eos: int | None) -> dict:
-    generator = torch.Generator().manual_seed(cfg.seed)
-    n_tokens, seconds, outputs = 0, 0.0, []
+def decode_all(prompts: list[list[int]], decode) -> tuple[list[list[int]], list, float]:
+    """Run `decode(prompt) -> (tokens, stats)` on every prompt; (outputs, stats, seconds spent decoding)."""
+    outputs, stats, seconds = [], [], 0.0
     for prompt in prompts:
         start = time.perf_counter()
-        new = generate(model, [prompt], cfg.eval.max_new_tokens, cfg.eval.temperature, eos, generator, cfg.eval.compile)[0]
+        tokens, info = decode(prompt)
         seconds += time.perf_counter() - start
-        n_tokens += len(new)
-        outputs.append(new)
+        outputs.append(tokens)
+        stats.append(info)
+    return outputs, stats, seconds
+
+
+def run_ar(model, prompts: list[list[int]], cfg: DictConfig, eos: int | None) -> dict:
+    generator = torch.Generator().manual_seed(cfg.seed)
+    e = cfg.eval
+    outputs, _, seconds = decode_all(
+        prompts, lambda p: (generate(model, [p], e.max_new_tokens, e.temperature, eos, generator, e.compile)[0], None)
+    )
+    n_tokens = sum(map(len, outputs))
     return {"tau": 1.0, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs}
 
 
-METHODS = {"ar": run_ar}
+def run_chain(model, prompts: list[list[int]], cfg: DictConfig, eos: int | None, drafter) -> dict:
+    generator = torch.Generator().manual_seed(cfg.seed)
+    e = cfg.eval
+    outputs, stats, seconds = decode_all(
+        prompts, lambda p: speculative_generate(model, drafter, p, e.max_new_tokens, e.temperature, eos, generator)
+    )
+    total = SpecStats([a for s in stats for a in s.accepted], sum(s.draft_s for s in stats), sum(s.verify_s for s in stats))
+    n_tokens = sum(map(len, outputs))
+    return {
+        "tau": total.tau, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs,
+        "budget": drafter.cfg.block_size - 1, "draft_share": total.draft_s / seconds,
+        "verify_share": total.verify_s / seconds,
+        "accept_hist": torch.bincount(torch.tensor(total.accepted, dtype=torch.long), minlength=drafter.cfg.block_size).tolist(),
+    }
+
+
+METHODS = {"ar": run_ar, "chain": run_chain}
 
 
 def evaluate(cfg: DictConfig) -> list[dict]:
@@ -55,20 +83,25 @@ def evaluate(cfg: DictConfig) -> list[dict]:
         raise WeaverError(f"unknown method/dataset {unknown}; methods: {list(METHODS)}, datasets: {list(PROMPT_SETS)}")
     out_dir = Path(cfg.eval.out_dir or Path(cfg.paths.root) / cfg.experiment / "eval")
     model, tokenizer = load_target_and_tokenizer(cfg)
+    drafter = load_drafter_for(cfg, model) if "chain" in cfg.eval.methods else None
     if cfg.eval.compile:  # compile (and warm up) outside the timed loops
         generate(model, [[tokenizer.eos_token_id or 0] * 4], 4, compiled=True)
     rows = []
     for dataset in cfg.eval.datasets:
         prompts = PROMPT_SETS[dataset](cfg, cfg.eval.n_prompts, cfg.eval.prompt_tokens)
-        results = {m: METHODS[m](model, prompts, cfg, tokenizer.eos_token_id) for m in cfg.eval.methods}
+        results = {}
+        for method in tqdm(cfg.eval.methods, desc=f"eval {dataset}"):
+            extra = (drafter,) if method != "ar" else ()
+            results[method] = METHODS[method](model, prompts, cfg, tokenizer.eos_token_id, *extra)
         ar = results.get("ar")
         for method, r in results.items():
             rows.append({
-                "experiment": cfg.experiment, "dataset": dataset, "method": method, "budget": None,
+                "experiment": cfg.experiment, "dataset": dataset, "method": method, "budget": r.get("budget"),
                 "temperature": cfg.eval.temperature, "tau": r["tau"], "tokens_per_s": r["tokens_per_s"],
                 "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"] if ar else None,
                 "n_prompts": len(prompts), "n_tokens": r["n_tokens"],
                 "greedy_match": r["outputs"] == ar["outputs"] if ar and cfg.eval.temperature == 0 else None,
+                **{k: r[k] for k in ("draft_share", "verify_share", "accept_hist") if k in r},
             })
     append_results(out_dir / "results.jsonl", rows)
     print(summary_table(rows))

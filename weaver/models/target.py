@@ -318,11 +318,12 @@ class TargetModel(nn.Module):
         logits_to_keep: int | None,
     ) -> TargetOutput:
         x = self.embed(input_ids)
-        taps = []
+        tapped = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, step, cache)
             if i in tap_layers:
-                taps.append(x)
+                tapped[i] = x
+        taps = [tapped[i] for i in tap_layers]  # in the order asked for: the drafter's fc expects it
         hidden = self.norm(x)
         logits = None
         if logits_to_keep != 0:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 from tqdm.auto import tqdm
@@ -31,6 +32,9 @@ def make_accelerator(cfg: DictConfig, run_name: str, precision: str = "fp32") ->
     """Accelerator with W&B tracking (offline unless WANDB_MODE says otherwise) when enabled."""
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-checkpoint INFO lines drown the bar
     tracking = cfg.wandb.enabled and cfg.wandb.mode != "disabled"
+    # One process may train several stages with different precisions; accelerate keeps that setting in
+    # a process-wide singleton, so clear it (the distributed set-up, PartialState, is kept).
+    AcceleratorState._reset_state()
     accelerator = Accelerator(
         mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(precision, "no"),
         cpu=cfg.device == "cpu",

@@ -35,16 +35,16 @@ def scratch_hf_config(model_cfg: DictConfig, tokenizer) -> PretrainedConfig:
         raise WeaverError(f"invalid model.hf_config: {' '.join(str(err).split())}") from None
 
 
-def init_weights(model: TargetModel, std: float) -> None:
-    """Normal(0, std) for matrices and embeddings, output projections scaled by depth (GPT-2 style)."""
-    scaled = std / math.sqrt(2 * model.cfg.num_layers)
+def init_weights(model: torch.nn.Module, std: float) -> None:
+    """Normal(0, std) for matrices and embeddings; residual-branch outputs scaled by depth (GPT-2 style)."""
+    scaled = std / math.sqrt(2 * len(model.layers))
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
-            last = name.endswith(("mixer.o", "out_proj", "mlp.down"))
-            torch.nn.init.normal_(module.weight, std=scaled if last else std)
+            torch.nn.init.normal_(module.weight, std=scaled if name.endswith((".o", "out_proj", "mlp.down")) else std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
-    torch.nn.init.normal_(model.embed.weight, std=std)
+        elif isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight, std=std)
 
 
 def next_token_loss(model: TargetModel, batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:

@@ -1,0 +1,320 @@
+"""The factorized block drafter (DESIGN.md §2.2) and z-lab's DFlash checkpoint format.
+
+A from-scratch reference of the DFlash draft forward (written from raw checkpoint tensors, the way
+z-lab's `DFlashDraftModel` computes it: context and block keys/values through the same k/v projections,
+k_norm on both, RoPE over [context positions, block positions], no mask, final norm + target lm_head)
+checks that our fused model reads the format correctly.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
+
+from hf_tiny import VOCAB, save_tiny_hf_model
+from weaver.errors import WeaverError
+from weaver.models.checkpoint import load_target
+from weaver.models.drafter import Drafter, default_target_layers
+from weaver.models.drafter_checkpoint import drafter_config, load_drafter, new_drafter_config, save_drafter
+
+MASK = VOCAB - 1
+HIDDEN = 64  # hf_tiny's hidden size
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hybrid_target")
+    torch.manual_seed(0)
+    save_tiny_hf_model("qwen3_5_text", folder)  # 4 layers
+    return load_target(str(folder))
+
+
+def perturb_(module: torch.nn.Module, gen: torch.Generator) -> None:
+    """Random non-trivial values everywhere (norm scales start at ones, which would hide mix-ups)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+
+
+def target_states(target, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Output of every decoder layer of the target for ids (1, T), in layer order."""
+    with torch.no_grad():
+        return target(ids, tap_layers=tuple(range(target.cfg.num_layers))).taps
+
+
+# --- a from-scratch reference of z-lab's DFlash draft forward -------------------------------------------
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+@torch.no_grad()
+def reference_draft_logits(w: dict[str, torch.Tensor], cfg: dict, target, layer_states: list[torch.Tensor],
+                           context_len: int, anchor: int) -> torch.Tensor:
+    """Logits (block_size - 1, V) for an anchor at position `context_len`, context = positions before it."""
+    eps, B, C = cfg["rms_norm_eps"], cfg["block_size"], context_len
+    H, Hkv, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    taps = [layer_states[i][0, :C] for i in cfg["dflash_config"]["target_layer_ids"]]  # declared order
+    ctx = rms(torch.cat(taps, -1) @ w["fc.weight"].T, w["hidden_norm.weight"], eps)  # (C, hidden)
+    block = [anchor] + [cfg["dflash_config"]["mask_token_id"]] * (B - 1)
+    x = target.embed.weight[block]  # (B, hidden)
+    theta = cfg["rope_theta"] if "rope_theta" in cfg else cfg["rope_parameters"]["rope_theta"]
+    inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    freqs = torch.arange(C + B, dtype=torch.float64)[:, None] * inv_freq
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().float()[:, None], emb.sin().float()[:, None]  # (C + B, 1, D)
+    for i in range(cfg["num_hidden_layers"]):
+        a, p = f"layers.{i}.self_attn.", f"layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"], eps)
+        q = rms((h @ w[a + "q_proj.weight"].T).view(B, H, D), w[a + "q_norm.weight"], eps)
+        kv_in = torch.cat([ctx, h])
+        k = rms((kv_in @ w[a + "k_proj.weight"].T).view(C + B, Hkv, D), w[a + "k_norm.weight"], eps)
+        v = (kv_in @ w[a + "v_proj.weight"].T).view(C + B, Hkv, D)
+        q = q * cos[C:] + rotate_half(q) * sin[C:]
+        k = k * cos + rotate_half(k) * sin
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * D**-0.5, dim=-1)
+        x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(B, H * D) @ w[a + "o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    return (rms(x, w["norm.weight"], eps) @ target.lm_head.weight.T)[1:]
+
+
+@torch.no_grad()
+def incremental_draft_logits(drafter: Drafter, target, layer_states: list[torch.Tensor], context_len: int,
+                             anchor: int) -> torch.Tensor:
+    cache = drafter.new_cache(1, context_len + 1)
+    taps = [layer_states[i][:, :context_len] for i in drafter.cfg.target_layer_ids]
+    drafter.extend_context(cache, taps, torch.arange(context_len)[None])
+    return drafter.draft(target, cache, torch.tensor([anchor]), torch.tensor([context_len]))[0]
+
+
+# --- hand-written DFlash checkpoints ----------------------------------------------------------------------
+
+
+def dflash_tensors(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, inter: int, n_taps: int,
+                   gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def r(*shape, scale=0.2):
+        return scale * torch.randn(*shape, generator=gen)
+
+    def norm(n):
+        return 1.0 + r(n, scale=0.3)
+
+    w = {"fc.weight": r(hidden, n_taps * hidden), "hidden_norm.weight": norm(hidden), "norm.weight": norm(hidden)}
+    for i in range(layers):
+        a, p = f"layers.{i}.self_attn.", f"layers.{i}."
+        w |= {
+            a + "q_proj.weight": r(heads * head_dim, hidden), a + "k_proj.weight": r(kv_heads * head_dim, hidden),
+            a + "v_proj.weight": r(kv_heads * head_dim, hidden), a + "o_proj.weight": r(hidden, heads * head_dim),
+            a + "q_norm.weight": norm(head_dim), a + "k_norm.weight": norm(head_dim),
+            p + "mlp.gate_proj.weight": r(inter, hidden), p + "mlp.up_proj.weight": r(inter, hidden),
+            p + "mlp.down_proj.weight": r(hidden, inter),
+            p + "input_layernorm.weight": norm(hidden), p + "post_attention_layernorm.weight": norm(hidden),
+        }
+    return w
+
+
+# The drafter's attention geometry differs from the target's on purpose: only the hidden size must match.
+SHAPE = dict(hidden=HIDDEN, layers=2, heads=2, kv_heads=1, head_dim=24, inter=80)
+
+
+def write_dflash_checkpoint(folder, *, taps=(0, 2), mask=MASK, block_size=5, num_target_layers=4, prefix="",
+                            style="save_pretrained", drop=(), with_dflash=True, seed=0, **shape):
+    """A DFlash checkpoint written by hand; returns (tensors without prefix, config dict as z-lab reads it)."""
+    s = SHAPE | shape
+    tensors = dflash_tensors(s["hidden"], s["layers"], s["heads"], s["kv_heads"], s["head_dim"], s["inter"],
+                             len(taps), torch.Generator().manual_seed(seed))
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({prefix + k: v for k, v in tensors.items() if k not in drop}, folder / "model.safetensors")
+    dflash = {"architectures": ["DFlashDraftModel"], "block_size": block_size, "num_target_layers": num_target_layers,
+              "dflash_config": {"target_layer_ids": list(taps), "mask_token_id": mask}}
+    geometry = dict(vocab_size=VOCAB, hidden_size=s["hidden"], num_hidden_layers=s["layers"], intermediate_size=s["inter"],
+                    num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+                    rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if style == "save_pretrained":
+        Qwen3Config(**geometry, rope_parameters={"rope_type": "default", "rope_theta": 1e6}).save_pretrained(folder)
+        config = json.loads((folder / "config.json").read_text())
+    else:  # the raw JSON of a released z-lab checkpoint (transformers 4.x era: top-level rope_theta)
+        config = {"model_type": "qwen3", "hidden_act": "silu", "attention_bias": False, "rope_theta": 1e6,
+                  "rope_scaling": None, "max_position_embeddings": 40960, "torch_dtype": "float32", **geometry}
+    if with_dflash:
+        config |= dflash
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return tensors, config | geometry | {"rope_theta": 1e6} | dflash
+
+
+# --- tests -------------------------------------------------------------------------------------------------
+
+
+def test_default_target_layers():
+    assert default_target_layers(36, 5) == (1, 9, 17, 25, 33)
+    assert default_target_layers(64, 5) == (1, 16, 31, 46, 61)  # z-lab's Qwen3.5-27B drafter
+    assert default_target_layers(36, 1) == (18,)  # DFlash taps the middle layer for a single tap
+    assert default_target_layers(4, 3) == (1,)  # tiny targets: a layer is tapped once
+
+
+def test_save_writes_the_dflash_format_and_reloads_identically(target, tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    hf_cfg = new_drafter_config(target, num_layers=2, block_size=6, mask_token_id=MASK, target_layer_ids=(0, 2))
+    drafter = Drafter(drafter_config(hf_cfg)).eval()
+    perturb_(drafter, gen)
+    save_drafter(drafter, hf_cfg, tmp_path / "drafter")
+
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["model_type"] == "qwen3"
+    assert config["block_size"] == 6
+    assert config["num_target_layers"] == target.cfg.num_layers
+    assert config["dflash_config"]["target_layer_ids"] == list(drafter.cfg.target_layer_ids) == [0, 2]
+    assert config["dflash_config"]["mask_token_id"] == MASK
+    assert config["hidden_size"] == target.cfg.hidden_size
+
+    tensors = load_file(tmp_path / "drafter" / "model.safetensors")
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(2):
+        expected |= {f"layers.{i}.self_attn.{n}_proj.weight" for n in "qkvo"}
+        expected |= {f"layers.{i}.self_attn.{n}_norm.weight" for n in "qk"}
+        expected |= {f"layers.{i}.mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        expected |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
+    assert set(tensors) == expected  # in particular no embed_tokens / lm_head: the target's are shared
+    t = target.cfg
+    kv_rows = t.num_kv_heads * t.head_dim
+    assert tensors["fc.weight"].shape == (t.hidden_size, 2 * t.hidden_size)
+    assert tensors["layers.1.self_attn.k_proj.weight"].shape == (kv_rows, t.hidden_size)
+    assert tensors["layers.1.mlp.up_proj.weight"].shape == (t.intermediate_size, t.hidden_size)
+    torch.testing.assert_close(tensors["layers.1.self_attn.v_proj.weight"], drafter.layers[1].attn.kv.weight[kv_rows:], rtol=0, atol=0)
+    torch.testing.assert_close(tensors["layers.1.mlp.up_proj.weight"], drafter.layers[1].mlp.gate_up.weight[t.intermediate_size:], rtol=0, atol=0)
+
+    loaded = load_drafter(str(tmp_path / "drafter"), target)
+    assert loaded.cfg.block_size == 6 and loaded.cfg.mask_token_id == MASK
+    assert loaded.cfg.target_layer_ids == drafter.cfg.target_layer_ids
+    mine, theirs = drafter.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        torch.testing.assert_close(theirs[name], mine[name], rtol=0, atol=0)
+
+    ids = torch.randint(3, VOCAB, (1, 9), generator=gen)
+    states = target_states(target, ids)
+    torch.testing.assert_close(incremental_draft_logits(loaded, target, states, 9, 7),
+                               incremental_draft_logits(drafter, target, states, 9, 7), rtol=0, atol=0)
+    # and both agree with the from-scratch reference of the format
+    torch.testing.assert_close(incremental_draft_logits(loaded, target, states, 9, 7),
+                               reference_draft_logits(tensors, config, target, states, 9, 7), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("prefix,style", [("", "save_pretrained"), ("model.", "save_pretrained"), ("", "zlab_json")])
+def test_hand_written_checkpoint_loads_and_matches_reference(target, tmp_path, prefix, style):
+    tensors, config = write_dflash_checkpoint(tmp_path / "d", prefix=prefix, style=style, taps=(0, 2))
+    drafter = load_drafter(str(tmp_path / "d"), target)
+    cfg = drafter.cfg
+    assert (cfg.block_size, cfg.target_layer_ids, cfg.mask_token_id) == (5, (0, 2), MASK)
+    assert (cfg.body.num_heads, cfg.body.num_kv_heads, cfg.body.head_dim) == (2, 1, 24)
+
+    # k/v fusion: kv = cat(k_proj, v_proj), in that order
+    a = "layers.0.self_attn."
+    torch.testing.assert_close(drafter.layers[0].attn.kv.weight,
+                               torch.cat([tensors[a + "k_proj.weight"], tensors[a + "v_proj.weight"]]), rtol=0, atol=0)
+    torch.testing.assert_close(drafter.layers[0].mlp.gate_up.weight,
+                               torch.cat([tensors["layers.0.mlp.gate_proj.weight"], tensors["layers.0.mlp.up_proj.weight"]]), rtol=0, atol=0)
+
+    # first layer's context keys, from scratch: fc -> hidden_norm -> k_proj -> k_norm -> RoPE
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (1, 11), generator=gen)
+    states = target_states(target, ids)
+    C, eps, D = 11, 1e-6, 24
+    with torch.no_grad():
+        feats = rms(torch.cat([states[0][0], states[2][0]], -1) @ tensors["fc.weight"].T, tensors["hidden_norm.weight"], eps)
+        k = rms((feats @ tensors[a + "k_proj.weight"].T).view(C, 1, D), tensors[a + "k_norm.weight"], eps)
+        inv_freq = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        f = torch.arange(C, dtype=torch.float64)[:, None] * inv_freq
+        emb = torch.cat([f, f], -1)
+        k_ref = k * emb.cos().float()[:, None] + rotate_half(k) * emb.sin().float()[:, None]
+        cache = drafter.new_cache(1, C + 1)
+        drafter.extend_context(cache, [states[0], states[2]], torch.arange(C)[None])
+    torch.testing.assert_close(cache.keys[0][0, :, :C].transpose(0, 1), k_ref, rtol=1e-5, atol=1e-5)
+    v_ref = (feats @ tensors[a + "v_proj.weight"].T).view(C, 1, D)
+    torch.testing.assert_close(cache.values[0][0, :, :C].transpose(0, 1), v_ref, rtol=1e-5, atol=1e-5)
+
+    # whole draft forward against the reference
+    torch.testing.assert_close(incremental_draft_logits(drafter, target, states, C, 42),
+                               reference_draft_logits(tensors, config, target, states, C, 42), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(hidden=32), "hidden size 32 does not match the target's 64"),
+    (dict(taps=(1, 4)), r"taps target layers \[4\], but the target has 4 layers"),
+    (dict(taps=(1, 1)), r"taps a target layer twice: \[1, 1\]"),
+    (dict(mask=VOCAB), f"mask_token_id {VOCAB} is outside the target vocab"),
+    (dict(drop=("layers.1.self_attn.v_proj.weight",)), "lacks layers.1.self_attn.v_proj.weight"),
+    (dict(with_dflash=False), "not a DFlash drafter config"),
+    (dict(block_size=1), "block_size must be at least 2"),
+])
+def test_mismatched_drafter_is_refused(target, tmp_path, kwargs, message):
+    write_dflash_checkpoint(tmp_path / "d", **kwargs)
+    with pytest.raises(WeaverError, match=message):
+        load_drafter(str(tmp_path / "d"), target)
+
+
+def test_weights_that_do_not_fit_the_config_are_refused(target, tmp_path):
+    write_dflash_checkpoint(tmp_path / "d")
+    tensors = load_file(tmp_path / "d" / "model.safetensors")
+    tensors["layers.0.self_attn.q_proj.weight"] = tensors["layers.0.self_attn.q_proj.weight"][:-3]
+    save_file(tensors, tmp_path / "d" / "model.safetensors")
+    with pytest.raises(WeaverError, match="do not fit its config.json"):
+        load_drafter(str(tmp_path / "d"), target)
+
+
+@torch.no_grad()
+def test_training_forward_with_mask_equals_incremental_drafting(target):
+    """Two anchors packed in one training-style forward, each block seeing only the context before its
+    anchor (mask True = may attend), equal drafting each anchor with a cache of exactly that context."""
+    gen = torch.Generator().manual_seed(7)
+    hf_cfg = new_drafter_config(target, num_layers=2, block_size=5, mask_token_id=MASK, target_layer_ids=(1, 3))
+    drafter = Drafter(drafter_config(hf_cfg)).eval()
+    perturb_(drafter, gen)
+    B, C = 5, 12
+    ids = torch.randint(3, VOCAB, (1, C), generator=gen)
+    states = target_states(target, ids)
+    taps = [states[i] for i in drafter.cfg.target_layer_ids]
+    context = drafter.context(taps)  # (1, C, H)
+    a1, a2 = 4, C  # anchor 1 inside the sequence (its token is ids[a1]); anchor 2 right after it
+    tok1, tok2 = int(ids[0, a1]), 17
+    embeds = torch.cat([drafter.block_inputs(target, torch.tensor([tok1])), drafter.block_inputs(target, torch.tensor([tok2]))], 1)
+    positions = torch.cat([a1 + torch.arange(B), a2 + torch.arange(B)])[None]
+    mask = torch.zeros(1, 1, 2 * B, C + 2 * B, dtype=torch.bool)
+    mask[0, 0, :B, :a1] = True
+    mask[0, 0, :B, C : C + B] = True
+    mask[0, 0, B:, :a2] = True
+    mask[0, 0, B:, C + B :] = True
+    hidden = drafter(embeds, positions, context, torch.arange(C)[None], mask)
+    logits = target.lm_head(hidden[0])
+    first, second = logits[1:B], logits[B + 1 :]
+    torch.testing.assert_close(first, incremental_draft_logits(drafter, target, states, a1, tok1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(second, incremental_draft_logits(drafter, target, states, a2, tok2), rtol=0, atol=1e-5)
+
+    # the mask matters: without it the first block sees the future context and the other block
+    unmasked = target.lm_head(drafter(embeds, positions, context, torch.arange(C)[None], None)[0])
+    assert (unmasked[1:B] - first).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_unsorted_target_layer_ids_are_honoured_or_refused(target, tmp_path):
+    tensors, config = write_dflash_checkpoint(tmp_path / "d", taps=(2, 0))
+    drafter = load_drafter(str(tmp_path / "d"), target)
+    ids = torch.randint(3, VOCAB, (1, 11), generator=torch.Generator().manual_seed(4))
+    taps = target(ids, tap_layers=drafter.cfg.target_layer_ids).taps  # what the engine feeds the drafter
+    cache = drafter.new_cache(1, 12)
+    drafter.extend_context(cache, taps, torch.arange(11)[None])
+    ours = drafter.draft(target, cache, torch.tensor([42]), torch.tensor([11]))[0]
+    torch.testing.assert_close(ours, reference_draft_logits(tensors, config, target, target_states(target, ids), 11, 42),
+                               rtol=1e-4, atol=1e-4)

@@ -1,0 +1,64 @@
+"""`rollouts` stage: the target answers a prompt set; drafter and adapter train on its own outputs.
+
+Stored as an HF `datasets` dataset (Arrow on disk) with columns prompt_ids, response_ids, prompt_index.
+Generation is batched (left-padded) with our engine and written shard by shard under the stage's work
+folder, so a killed run resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from weaver.errors import WeaverError
+from weaver.generate import generate
+from weaver.io import atomic_dir, atomic_write_json
+
+
+def corpus_prompts(corpus_dir: Path, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+    """Openings of `n` random training rows of the target's corpus (its own domain: code)."""
+    rows = datasets.load_from_disk(str(corpus_dir / "dataset"))["train"]
+    if len(rows) < n:
+        raise WeaverError(f"the corpus has {len(rows)} training rows, fewer than rollouts.n_prompts={n}")
+    picked = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:n].tolist()
+    return [row[:prompt_tokens] for row in rows.select(picked)["input_ids"]]
+
+
+def generate_rollouts(
+    target, prompts: list[list[int]], rollouts: DictConfig, eos_token_id: int | None, seed: int, out_dir: Path,
+    work_dir: Path,
+) -> None:
+    shards_dir = work_dir / "shards"
+    n_shards = -(-len(prompts) // rollouts.shard_size)
+    generator = torch.Generator().manual_seed(seed)
+    for shard in tqdm(range(n_shards), desc="rollouts (shards)"):
+        path = shards_dir / f"shard-{shard:05d}"
+        if path.exists():  # finished by an earlier, interrupted run
+            continue
+        generator.manual_seed(seed * 100_003 + shard)  # a shard's samples do not depend on resuming
+        first = shard * rollouts.shard_size
+        shard_prompts = prompts[first : first + rollouts.shard_size]
+        rows = []
+        for start in range(0, len(shard_prompts), rollouts.batch_size):
+            batch = shard_prompts[start : start + rollouts.batch_size]
+            responses = generate(target, batch, rollouts.max_new_tokens, rollouts.temperature, eos_token_id, generator)
+            rows += [
+                {"prompt_ids": p, "response_ids": r, "prompt_index": first + start + i}
+                for i, (p, r) in enumerate(zip(batch, responses))
+            ]
+        with atomic_dir(path) as tmp:
+            datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+    shards = [datasets.load_from_disk(str(shards_dir / f"shard-{s:05d}")) for s in range(n_shards)]
+    merged = datasets.concatenate_datasets(shards)
+    with atomic_dir(out_dir) as tmp:
+        merged.save_to_disk(str(tmp / "dataset"))
+        n_tokens = sum(len(r) for r in merged["response_ids"])
+        atomic_write_json(tmp / "stats.json", {
+            "n_rollouts": len(merged), "response_tokens": n_tokens, "temperature": rollouts.temperature,
+            "max_new_tokens": rollouts.max_new_tokens,
+        })
+    print(f"rollouts: {len(merged)} responses, {n_tokens:,} tokens -> {out_dir}")

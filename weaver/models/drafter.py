@@ -1,0 +1,170 @@
+"""Factorized block drafter (DFlash-style, DESIGN.md §2.2).
+
+One forward pass drafts a whole block: the input is [anchor, MASK x (B-1)] embedded with the target's
+frozen embedding; every layer's attention uses as extra keys/values the fused tapped target hidden
+states of the context (positions before the anchor), projected by the same k/v projections as the
+block tokens; attention inside the block is bidirectional. The drafter's final norm is followed by the
+target's lm_head. Block position d predicts the token at anchor + d, independently of the draft tokens
+at positions < d: the per-position distributions are marginals.
+
+The body is a Qwen3 decoder stack, so its architecture is a `TargetConfig` read from a Qwen3Config;
+`weaver.models.drafter_checkpoint` reads and writes z-lab's DFlash checkpoint format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weaver.errors import WeaverError
+from weaver.models.config import TargetConfig
+from weaver.models.target import MLP, RMSNorm, TargetModel, apply_rope
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    body: TargetConfig  # Qwen3-style decoder stack (hidden size = the target's)
+    block_size: int
+    target_layer_ids: tuple[int, ...]  # decoder layers of the target whose outputs are tapped
+    mask_token_id: int
+
+
+def default_target_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """DFlash's choice: `num_taps` layers evenly spaced from layer 1 to L-3 (1, 9, 17, 25, 33 of 36),
+    or the middle layer for a single tap. Tiny targets, where rounding repeats a layer, get it once."""
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    first, last = 1, max(1, num_target_layers - 3)
+    spaced = (round(first + i * (last - first) / (num_taps - 1)) for i in range(num_taps))
+    return tuple(dict.fromkeys(spaced))
+
+
+@dataclass
+class DrafterCache:
+    """Projected context keys/values per drafter layer, grown as tokens are committed."""
+
+    keys: list[torch.Tensor]  # (B, H_kv, max_len, D)
+    values: list[torch.Tensor]
+    length: int = 0
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q = nn.Linear(cfg.hidden_size, H * D, bias=cfg.attention_bias)
+        self.kv = nn.Linear(cfg.hidden_size, 2 * Hkv * D, bias=cfg.attention_bias)
+        self.o = nn.Linear(H * D, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed, rotated keys and values (B, H_kv, T, D) of block tokens or context features."""
+        B, T, _ = x.shape
+        k, v = self.kv(x).view(B, T, 2, self.cfg.num_kv_heads, self.cfg.head_dim).unbind(2)
+        return apply_rope(self.k_norm(k), cos, sin).transpose(1, 2), v.transpose(1, 2)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context_kv: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        B, Q, _ = x.shape
+        H, D = self.cfg.num_heads, self.cfg.head_dim
+        q = apply_rope(self.q_norm(self.q(x).view(B, Q, H, D)), *rope).transpose(1, 2)
+        k, v = self.keys_values(x, *rope)
+        k, v = torch.cat([context_kv[0], k], dim=2), torch.cat([context_kv[1], v], dim=2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=k.shape[1] != H)
+        return self.o(o.transpose(1, 2).reshape(B, Q, H * D))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = DrafterAttention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, context_kv, mask) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), rope, context_kv, mask)
+        return x + self.mlp(self.post_norm(x))
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        body = cfg.body
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * body.hidden_size, body.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(body.hidden_size, body.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(body) for _ in range(body.num_layers))
+        self.norm = RMSNorm(body.hidden_size, body.rms_norm_eps)
+        self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        dtype = self.fc.weight.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def context(self, taps: list[torch.Tensor]) -> torch.Tensor:
+        """Fused context features: Linear(K*H -> H) then RMSNorm over the concatenated taps."""
+        return self.hidden_norm(self.fc(torch.cat(taps, dim=-1)))
+
+    def block_inputs(self, target: TargetModel, anchors: torch.Tensor) -> torch.Tensor:
+        """Embeddings of [anchor, MASK x (B-1)] per anchor (N,) -> (N, B, H), via the target's embedding."""
+        block = torch.full((len(anchors), self.cfg.block_size), self.cfg.mask_token_id, device=anchors.device)
+        block[:, 0] = anchors
+        return target.embed(block)
+
+    def forward(
+        self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context: torch.Tensor,
+        context_positions: torch.Tensor, mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Hidden states (B, Q, H) of block tokens attending to context features (B, C, H) and each other.
+
+        mask (B, 1, Q, C + Q) bool, or None when every query may see every context and block key.
+        """
+        rope, ctx_rope = self.rope(block_positions), self.rope(context_positions)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, rope, layer.attn.keys_values(context, *ctx_rope), mask)
+        return self.norm(x)
+
+    # --- incremental drafting with a context cache (inference) ---
+
+    def new_cache(self, batch_size: int, max_len: int) -> DrafterCache:
+        body = self.cfg.body
+        shape = (batch_size, body.num_kv_heads, max_len, body.head_dim)
+        p = self.fc.weight
+        return DrafterCache(
+            [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.layers],
+            [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.layers],
+        )
+
+    def extend_context(self, cache: DrafterCache, taps: list[torch.Tensor], positions: torch.Tensor) -> None:
+        """Append committed positions' tapped target states (B, n, H) to the drafter's context cache."""
+        features = self.context(taps)
+        n = features.shape[1]
+        if cache.length + n > cache.keys[0].shape[2]:
+            raise WeaverError("drafter context cache overflow")
+        cos, sin = self.rope(positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.attn.keys_values(features, cos, sin)
+            cache.keys[i][:, :, cache.length : cache.length + n] = k
+            cache.values[i][:, :, cache.length : cache.length + n] = v
+        cache.length += n
+
+    def draft(self, target: TargetModel, cache: DrafterCache, anchor: torch.Tensor, anchor_position: torch.Tensor) -> torch.Tensor:
+        """Logits (B, block_size - 1, V) for positions anchor+1 .. anchor+B-1 given the cached context."""
+        x = self.block_inputs(target, anchor)
+        positions = anchor_position[:, None] + torch.arange(self.cfg.block_size, device=x.device)
+        rope = self.rope(positions)
+        for i, layer in enumerate(self.layers):
+            context_kv = (cache.keys[i][:, :, : cache.length], cache.values[i][:, :, : cache.length])
+            x = layer(x, rope, context_kv, None)
+        return target.lm_head(self.norm(x)[:, 1:])

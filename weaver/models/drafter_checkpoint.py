@@ -1,0 +1,109 @@
+"""Drafters in z-lab's DFlash checkpoint format, in both directions.
+
+Format: `config.json` is a Qwen3Config plus `block_size`, `num_target_layers` and
+`dflash_config: {target_layer_ids, mask_token_id}`; `model.safetensors` holds `fc`, `hidden_norm`,
+`norm` and `layers.N.{self_attn,mlp,input_layernorm,post_attention_layernorm}.*` (no embedding or
+lm_head: the target's are shared).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import Qwen3Config
+
+from weaver.errors import WeaverError
+from weaver.io import atomic_dir
+from weaver.models.checkpoint import load_hf_config, read_safetensors, resolve_checkpoint
+from weaver.models.config import from_hf
+from weaver.models.drafter import Drafter, DrafterConfig, default_target_layers
+from weaver.models.target import TargetModel
+
+
+def new_drafter_config(
+    target: TargetModel, num_layers: int, block_size: int, mask_token_id: int, num_taps: int = 5,
+    target_layer_ids: tuple[int, ...] | None = None, intermediate_size: int | None = None,
+    num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
+    rope_theta: float = 1e6,
+) -> Qwen3Config:
+    """A DFlash-format config for a fresh drafter sized to `target` (hidden size and vocab are the target's)."""
+    t = target.cfg
+    layers = target_layer_ids or default_target_layers(t.num_layers, min(num_taps, t.num_layers))
+    config = Qwen3Config(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_hidden_layers=num_layers,
+        intermediate_size=intermediate_size or t.intermediate_size, num_attention_heads=num_heads or t.num_heads,
+        num_key_value_heads=num_kv_heads or t.num_kv_heads, head_dim=head_dim or t.head_dim,
+        rms_norm_eps=t.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        tie_word_embeddings=False, architectures=["DFlashDraftModel"],
+        block_size=block_size, num_target_layers=t.num_layers,
+        dflash_config={"target_layer_ids": list(layers), "mask_token_id": mask_token_id},
+    )
+    config.rope_theta = rope_theta  # also top-level: transformers 4.x readers (z-lab, SGLang) look there
+    return config
+
+
+def drafter_config(hf: Qwen3Config) -> DrafterConfig:
+    extra = getattr(hf, "dflash_config", None)
+    if not extra or "mask_token_id" not in extra or not hasattr(hf, "block_size"):
+        raise WeaverError("not a DFlash drafter config: needs block_size and dflash_config.mask_token_id")
+    if int(hf.block_size) < 2:
+        raise WeaverError(f"drafter block_size must be at least 2 (anchor + one draft), got {hf.block_size}")
+    layers = extra.get("target_layer_ids") or default_target_layers(hf.num_target_layers, hf.num_hidden_layers)
+    return DrafterConfig(from_hf(hf), int(hf.block_size), tuple(layers), int(extra["mask_token_id"]))
+
+
+def weight_table(cfg: DrafterConfig) -> list[tuple[str, list[str]]]:
+    table = [("fc.weight", ["fc.weight"]), ("hidden_norm.weight", ["hidden_norm.weight"]), ("norm.weight", ["norm.weight"])]
+    for i in range(cfg.body.num_layers):
+        p, attn = f"layers.{i}.", f"layers.{i}.self_attn."
+        table += [
+            (p + "input_norm.weight", [p + "input_layernorm.weight"]),
+            (p + "post_norm.weight", [p + "post_attention_layernorm.weight"]),
+            (p + "attn.q.weight", [attn + "q_proj.weight"]),
+            (p + "attn.kv.weight", [attn + "k_proj.weight", attn + "v_proj.weight"]),
+            (p + "attn.o.weight", [attn + "o_proj.weight"]),
+            (p + "attn.q_norm.weight", [attn + "q_norm.weight"]),
+            (p + "attn.k_norm.weight", [attn + "k_norm.weight"]),
+            (p + "mlp.gate_up.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            (p + "mlp.down.weight", [p + "mlp.down_proj.weight"]),
+        ]
+    return table
+
+
+def load_drafter(name_or_path: str, target: TargetModel | None = None, dtype: torch.dtype = torch.float32) -> Drafter:
+    """Load a DFlash-format drafter; with `target`, refuse one that does not fit it."""
+    folder = resolve_checkpoint(name_or_path)
+    cfg = drafter_config(load_hf_config(folder))
+    tensors = read_safetensors(folder)
+    tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
+    state = {}
+    for ours, names in weight_table(cfg):
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise WeaverError(f"drafter checkpoint lacks {missing[0]}")
+        state[ours] = torch.cat([tensors[n] for n in names], dim=0)
+    drafter = Drafter(cfg)
+    try:
+        drafter.load_state_dict(state)
+    except RuntimeError as err:
+        raise WeaverError(f"drafter weights do not fit its config.json: {str(err).splitlines()[-1].strip()}") from None
+    if target is not None:
+        from weaver.engine import check_pair
+
+        check_pair(target, drafter)
+    return drafter.to(dtype).eval()
+
+
+def save_drafter(drafter: Drafter, hf_config: Qwen3Config, out_dir: Path) -> None:
+    """Write config.json + model.safetensors in the DFlash format, atomically."""
+    state = drafter.state_dict()
+    tensors = {}
+    for ours, names in weight_table(drafter.cfg):
+        sizes = [len(state[ours]) // len(names)] * len(names)  # fused tensors are equal halves here
+        for name, part in zip(names, state[ours].split(sizes)):
+            tensors[name] = part.contiguous()
+    with atomic_dir(out_dir) as tmp:
+        hf_config.save_pretrained(tmp)
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})

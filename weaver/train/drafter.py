@@ -1,0 +1,126 @@
+"""`drafter` stage: distil a DFlash-style block drafter from the frozen target on its own rollouts.
+
+Each training sequence (prompt + target response) gets `anchors_per_seq` random anchors a in the
+response. All its blocks run in one drafter pass: block i's queries see the context features of
+positions < a_i and the keys of block i only (block-structured mask). Labels are the target's tokens at
+a + d; position d is weighted exp(-(d - 1) / gamma). With `kl_weight` > 0 the loss mixes in the KL
+divergence to the target's own next-token distribution.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from weaver.errors import WeaverError
+from weaver.io import atomic_write_json
+from weaver.models.drafter import Drafter
+from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config, save_drafter
+from weaver.models.target import TargetModel
+from weaver.train.common import fit, make_accelerator
+from weaver.train.target import init_weights
+
+
+def pad_sequences(rows: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids (N, L), lengths (N,), prompt lengths (N,)) of prompt + response, right-padded."""
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
+    ids = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+    lengths = torch.tensor([len(s) for s in seqs])
+    return ids, lengths, torch.tensor([len(r["prompt_ids"]) for r in rows])
+
+
+def sample_anchors(lengths: torch.Tensor, prompt_lengths: torch.Tensor, per_seq: int, generator: torch.Generator) -> torch.Tensor:
+    """(N, per_seq) anchor positions in each response, the last token excluded (it has nothing to predict)."""
+    low = prompt_lengths.clamp(min=1)
+    span = (lengths - 1 - low).clamp(min=1)
+    u = torch.rand(len(lengths), per_seq, generator=generator)
+    return low[:, None] + (u * span[:, None]).long()
+
+
+def block_mask(anchors: torch.Tensor, block: int, context_len: int) -> torch.Tensor:
+    """(N, 1, m*B, C + m*B) bool: block i sees context positions < a_i and its own block's keys."""
+    N, m = anchors.shape
+    ctx = torch.arange(context_len, device=anchors.device)
+    sees_ctx = (ctx[None, None, :] < anchors[:, :, None]).repeat_interleave(block, dim=1)  # (N, m*B, C)
+    block_id = torch.arange(m * block, device=anchors.device) // block
+    sees_block = (block_id[:, None] == block_id[None, :]).expand(N, -1, -1)
+    return torch.cat([sees_ctx, sees_block], dim=-1)[:, None]
+
+
+def distillation_loss(
+    drafter: Drafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
+    gamma: float, kl_weight: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    N, L = ids.shape
+    B = drafter.cfg.block_size
+    with torch.no_grad():
+        out = target(ids, tap_layers=drafter.cfg.target_layer_ids, logits_to_keep=None if kl_weight else 0)
+    context = drafter.context(out.taps)
+    offsets = torch.arange(B, device=ids.device)
+    positions = (anchors[:, :, None] + offsets).flatten(1)  # (N, m*B)
+    embeds = drafter.block_inputs(target, ids.gather(1, anchors).flatten()).view(N, -1, context.shape[-1])
+    hidden = drafter(embeds, positions, context, torch.arange(L, device=ids.device).expand(N, L),
+                     block_mask(anchors, B, L))
+    hidden = hidden.view(N, anchors.shape[1], B, -1)[:, :, 1:]  # position d predicts anchor + d
+    logits = target.lm_head(hidden).float()
+    label_pos = (anchors[:, :, None] + offsets[1:]).clamp(max=L - 1)
+    labels = ids[:, None, :].expand(-1, anchors.shape[1], -1).gather(2, label_pos)
+    valid = (anchors[:, :, None] + offsets[1:]) < lengths[:, None, None]
+    weight = torch.exp(-(offsets[1:] - 1).float() / gamma) * valid
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(weight)
+    loss = (ce * weight).sum() / weight.sum()
+    if kl_weight:
+        teacher = out.logits.float().log_softmax(-1)  # target at p predicts p + 1: the label at a + d
+        teacher = teacher[torch.arange(N)[:, None, None], label_pos - 1]
+        kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
+        loss = (1 - kl_weight) * loss + kl_weight * (kl * weight).sum() / weight.sum()
+    accuracy = ((logits.argmax(-1) == labels) & valid).float().sum(0).sum(0) / valid.float().sum(0).sum(0).clamp(min=1)
+    return loss, {"acc_d1": accuracy[0].item(), f"acc_d{B - 1}": accuracy[-1].item()}
+
+
+def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir: Path, out_dir: Path, work_dir: Path) -> dict:
+    """Train the drafter described by cfg.drafter on the rollouts; write a DFlash-format checkpoint."""
+    d, train = cfg.drafter, cfg.drafter.train
+    mask_id = tokenizer.convert_tokens_to_ids(d.mask_token)
+    if mask_id is None or mask_id == tokenizer.unk_token_id:
+        raise WeaverError(f"mask token '{d.mask_token}' is not in the target's vocabulary")
+    hf_config = new_drafter_config(target, d.num_layers, d.block_size, mask_id, d.num_taps,
+                                   intermediate_size=d.intermediate_size)
+    torch.manual_seed(cfg.seed)
+    drafter = Drafter(drafter_config(hf_config))
+    init_weights(drafter, train.init_std)
+    with torch.no_grad():  # start from the target's own output scale (DESIGN.md: the target's final norm)
+        drafter.norm.weight.copy_(target.norm.weight + target.norm.offset)
+    target.requires_grad_(False)
+    rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
+    accelerator = make_accelerator(cfg, f"{cfg.experiment}-drafter", train.precision)
+    target.to(accelerator.device)
+    pad = tokenizer.pad_token_id or 0
+
+    def collate(batch: list[dict]):
+        ids, lengths, prompt_lengths = pad_sequences(batch, pad)
+        # anchors depend on the batch's rows only, so a resumed run draws the same ones
+        generator = torch.Generator().manual_seed(hash(tuple(r["prompt_index"] for r in batch)) % 2**62 + cfg.seed)
+        return ids, lengths, sample_anchors(lengths, prompt_lengths, train.anchors_per_seq, generator)
+
+    def loss_fn(model, batch):
+        ids, lengths, anchors = batch
+        return distillation_loss(model, target, ids, lengths, anchors, train.gamma, train.kl_weight)
+
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=train.weight_decay)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    accelerator.print(f"drafter: {n_params / 1e6:.2f}M parameters, {len(rows)} rollouts, taps {drafter.cfg.target_layer_ids}")
+    metrics = fit(accelerator, drafter, optimizer, rows, collate, loss_fn, train, work_dir, cfg.seed, desc="drafter")
+    drafter = accelerator.unwrap_model(drafter).float().cpu().eval()
+    accelerator.end_training()
+    save_drafter(drafter, hf_config, out_dir)
+    summary = {"params": n_params, **metrics}
+    atomic_write_json(out_dir / "train_summary.json", summary)
+    print(f"drafter: final loss {metrics['loss']:.3f}, top-1 acc at d=1 {metrics['acc_d1']:.2f}")
+    return summary
