@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import torch
 
+from weaver.tree import Tree
+
+
+def greedy_tree(tree: Tree, target_logits: torch.Tensor) -> tuple[int, int]:
+    """(accepted leaf node, bonus token): from the anchor (node 0), follow the child holding the target's
+    argmax while there is one; the target's argmax at the last node reached is the bonus."""
+    choice = target_logits.argmax(-1).tolist()
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    node = 0
+    while True:
+        child = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == choice[node]), None)
+        if child is None:
+            return node, choice[node]
+        node = child
+
 
 def greedy_chain(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
-    """(accepted drafts, bonus token): keep drafts while they equal the target's argmax.
-
-    target_logits (T, V) for the chain [anchor, d_1 .. d_{T-1}]; drafts (T-1,).
-    """
-    choice = target_logits.argmax(-1)
-    n = int((drafts == choice[:-1]).long().cumprod(0).sum())
-    return n, int(choice[n])
+    """(accepted drafts, bonus token) for the chain [anchor, d_1 .. d_{T-1}]: greedy_tree on a chain."""
+    return greedy_tree(Tree.chain(torch.cat([drafts.new_zeros(1), drafts])), target_logits)
 
 
 def speculative_sampling_chain(
