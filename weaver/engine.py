@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from weaver.errors import WeaverError
+from weaver.builders import chain_tree, check_budget, ddtree, oracle_tree
 from weaver.generate import sample_next, until_eos
+from weaver.models.cache import ModelCache
 from weaver.models.drafter import Drafter
 from weaver.models.target import TargetModel
 from weaver.tree import Tree
-from weaver.verify import greedy_chain, speculative_sampling_chain
+from weaver.verify import greedy_tree, speculative_sampling_chain
 
 
 @dataclass
@@ -48,6 +50,22 @@ def check_pair(target: TargetModel, drafter: Drafter) -> None:
         raise WeaverError(f"drafter taps target layers {bad}, but the target has {t.num_layers} layers")
 
 
+TREE_METHODS = ("chain", "ddtree", "oracle")
+
+
+def propose(
+    method: str, anchor: int, draft_logits: torch.Tensor, budget: int, target: TargetModel, cache: ModelCache
+) -> Tree:
+    """The draft tree of one step (greedy decoding); see `weaver.builders`."""
+    if method == "chain":
+        return chain_tree(anchor, draft_logits, budget)
+    if method == "ddtree":
+        return ddtree(anchor, draft_logits, budget)
+    if method == "oracle":
+        return oracle_tree(anchor, budget, len(draft_logits), target, cache)
+    raise WeaverError(f"unknown tree method '{method}'; available: {', '.join(TREE_METHODS)}")
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: TargetModel,
@@ -57,13 +75,24 @@ def speculative_generate(
     temperature: float = 0.0,
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    method: str = "chain",
+    budget: int | None = None,
 ) -> tuple[list[int], SpecStats]:
-    """New tokens for one prompt with chain drafts (DFlash), plus acceptance statistics."""
+    """New tokens for one prompt with draft trees, plus acceptance statistics.
+
+    method: chain (DFlash), ddtree or oracle (`weaver.builders`); budget: draft nodes per step
+    (default and maximum for chain: block_size - 1). Sampling (temperature > 0) uses speculative sampling
+    and is available for chains; tree sampling rules come with the trees issue.
+    """
     if not prompt:
         raise WeaverError("every prompt must contain at least one token")
+    budget = drafter.cfg.block_size - 1 if budget is None else budget
+    check_budget(budget)
+    if temperature > 0 and method != "chain":
+        raise WeaverError(f"sampling (temperature > 0) is supported for chain drafts only, not '{method}'")
     device = target.embed.weight.device
     taps, block = drafter.cfg.target_layer_ids, drafter.cfg.block_size
-    max_len = len(prompt) + max_new_tokens + block
+    max_len = len(prompt) + max_new_tokens + max(block, budget + 1)
     cache, context = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
     ids = torch.tensor([prompt], device=device)
     out = target(ids, cache, tap_layers=taps, logits_to_keep=1)
@@ -73,23 +102,27 @@ def speculative_generate(
     while len(new) < max_new_tokens and new[-1] != eos_token_id:
         start = time.perf_counter()
         draft_logits = drafter.draft(target, context, anchor, cache.next_position)[0]
-        draft_probs = None if temperature <= 0 else torch.softmax(draft_logits.float() / temperature, dim=-1)
-        drafts = sample_next(draft_logits, temperature, generator) if draft_probs is None else \
-            torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)
+        if temperature <= 0:
+            tree, draft_probs = propose(method, int(anchor), draft_logits, budget, target, cache), None
+        else:  # chain drafts sampled from the drafter's marginals
+            draft_probs = torch.softmax(draft_logits[:budget].float() / temperature, dim=-1)
+            drafts = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)
+            tree = Tree.chain(torch.cat([anchor, drafts]))
         mid = time.perf_counter()
         anchor_position = cache.next_position.clone()
-        verified, pending = target.verify(Tree.chain(torch.cat([anchor, drafts])), cache, taps)
+        verified, pending = target.verify(tree, cache, taps)
         logits = verified.logits[0]
         if temperature <= 0:
-            n, bonus = greedy_chain(logits, drafts)
+            leaf, bonus = greedy_tree(tree, logits)
         else:
-            n, bonus = speculative_sampling_chain(logits, draft_probs, drafts, temperature, generator)
-        target.commit(cache, pending, leaf=n)
-        positions = anchor_position[:, None] + torch.arange(n + 1, device=device)
-        drafter.extend_context(context, [t[:, : n + 1] for t in verified.taps], positions)
+            leaf, bonus = speculative_sampling_chain(logits, draft_probs, tree.tokens[1:], temperature, generator)
+        target.commit(cache, pending, leaf=leaf)
+        path = tree.path_to(leaf)
+        positions = anchor_position[:, None] + torch.arange(len(path), device=device)
+        drafter.extend_context(context, [t[:, path] for t in verified.taps], positions)
         stats.draft_s += mid - start
         stats.verify_s += time.perf_counter() - mid
-        stats.accepted.append(n)
-        new += drafts[:n].tolist() + [bonus]
+        stats.accepted.append(len(path) - 1)
+        new += tree.tokens[path[1:]].tolist() + [bonus]
         anchor = torch.tensor([bonus], device=device)
     return until_eos(new[:max_new_tokens], eos_token_id), stats

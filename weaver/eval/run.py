@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from weaver.errors import WeaverError
 from weaver.generate import generate
 from weaver.io import atomic_write_text
-from weaver.engine import SpecStats, speculative_generate
+from weaver.engine import TREE_METHODS, SpecStats, speculative_generate
 from weaver.pipeline import artifact_dir, load_drafter_for, load_target_and_tokenizer
 
 
@@ -58,23 +58,39 @@ def run_ar(model, prompts: list[list[int]], cfg: DictConfig, eos: int | None) ->
     return {"tau": 1.0, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs}
 
 
-def run_chain(model, prompts: list[list[int]], cfg: DictConfig, eos: int | None, drafter) -> dict:
+def run_speculative(
+    model, prompts: list[list[int]], cfg: DictConfig, eos: int | None, drafter, method: str, budget: int
+) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed)
     e = cfg.eval
     outputs, stats, seconds = decode_all(
-        prompts, lambda p: speculative_generate(model, drafter, p, e.max_new_tokens, e.temperature, eos, generator)
+        prompts,
+        lambda p: speculative_generate(model, drafter, p, e.max_new_tokens, e.temperature, eos, generator, method, budget),
     )
     total = SpecStats([a for s in stats for a in s.accepted], sum(s.draft_s for s in stats), sum(s.verify_s for s in stats))
     n_tokens = sum(map(len, outputs))
     return {
         "tau": total.tau, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs,
-        "budget": drafter.cfg.block_size - 1, "draft_share": total.draft_s / seconds,
+        "draft_share": total.draft_s / seconds,
         "verify_share": total.verify_s / seconds,
         "accept_hist": torch.bincount(torch.tensor(total.accepted, dtype=torch.long), minlength=drafter.cfg.block_size).tolist(),
     }
 
 
-METHODS = {"ar": run_ar, "chain": run_chain}
+def runs(cfg: DictConfig, drafter) -> list[tuple[str, int | None]]:
+    """(method, budget) pairs: AR once, chain at block_size - 1, tree methods at every eval budget."""
+    out = []
+    for method in cfg.eval.methods:
+        if method == "ar":
+            out.append((method, None))
+        elif method == "chain":
+            out.append((method, drafter.cfg.block_size - 1))
+        else:
+            out += [(method, b) for b in cfg.eval.budgets]
+    return out
+
+
+METHODS = ("ar",) + TREE_METHODS
 
 
 def evaluate(cfg: DictConfig) -> list[dict]:
@@ -83,20 +99,23 @@ def evaluate(cfg: DictConfig) -> list[dict]:
         raise WeaverError(f"unknown method/dataset {unknown}; methods: {list(METHODS)}, datasets: {list(PROMPT_SETS)}")
     out_dir = Path(cfg.eval.out_dir or Path(cfg.paths.root) / cfg.experiment / "eval")
     model, tokenizer = load_target_and_tokenizer(cfg)
-    drafter = load_drafter_for(cfg, model) if "chain" in cfg.eval.methods else None
+    drafter = load_drafter_for(cfg, model) if set(cfg.eval.methods) - {"ar"} else None
     if cfg.eval.compile:  # compile (and warm up) outside the timed loops
         generate(model, [[tokenizer.eos_token_id or 0] * 4], 4, compiled=True)
     rows = []
     for dataset in cfg.eval.datasets:
         prompts = PROMPT_SETS[dataset](cfg, cfg.eval.n_prompts, cfg.eval.prompt_tokens)
         results = {}
-        for method in tqdm(cfg.eval.methods, desc=f"eval {dataset}"):
-            extra = (drafter,) if method != "ar" else ()
-            results[method] = METHODS[method](model, prompts, cfg, tokenizer.eos_token_id, *extra)
-        ar = results.get("ar")
-        for method, r in results.items():
+        for method, budget in tqdm(runs(cfg, drafter), desc=f"eval {dataset}"):
+            eos = tokenizer.eos_token_id
+            results[method, budget] = (
+                run_ar(model, prompts, cfg, eos) if method == "ar"
+                else run_speculative(model, prompts, cfg, eos, drafter, method, budget)
+            )
+        ar = results.get(("ar", None))
+        for (method, budget), r in results.items():
             rows.append({
-                "experiment": cfg.experiment, "dataset": dataset, "method": method, "budget": r.get("budget"),
+                "experiment": cfg.experiment, "dataset": dataset, "method": method, "budget": budget,
                 "temperature": cfg.eval.temperature, "tau": r["tau"], "tokens_per_s": r["tokens_per_s"],
                 "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"] if ar else None,
                 "n_prompts": len(prompts), "n_tokens": r["n_tokens"],

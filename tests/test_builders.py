@@ -1,0 +1,63 @@
+"""Tree builders: best-first search against brute force, and lossless greedy decoding with every builder."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hf_tiny import VOCAB
+from weaver.builders import chain_tree, ddtree
+from weaver.engine import speculative_generate
+from weaver.errors import WeaverError
+from weaver.generate import generate
+from weaver.models.drafter import Drafter
+from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
+
+
+def paths_of(tree) -> set[tuple[int, ...]]:
+    return {tuple(tree.tokens[tree.path_to(i)][1:].tolist()) for i in range(1, len(tree))}
+
+
+@pytest.mark.parametrize("seed,budget", [(0, 1), (1, 5), (2, 12), (3, 30)])
+def test_ddtree_holds_the_best_scoring_paths(seed, budget):
+    gen = torch.Generator().manual_seed(seed)
+    depth, vocab = 3, 5
+    logits = 3 * torch.randn(depth, vocab, generator=gen)
+    tree = ddtree(7, logits, budget)
+    log_p = logits.log_softmax(-1)
+    scored = {
+        path: sum(float(log_p[d, t]) for d, t in enumerate(path))
+        for n in range(1, depth + 1) for path in itertools.product(range(vocab), repeat=n)
+    }
+    best = sorted(scored, key=scored.get, reverse=True)[:budget]
+    assert len(tree) == budget + 1 and int(tree.tokens[0]) == 7
+    assert paths_of(tree) == set(best)
+
+
+def test_chain_tree_takes_the_argmax_per_depth():
+    logits = torch.randn(6, 11)
+    tree = chain_tree(3, logits, budget=4)
+    assert tree.tokens.tolist() == [3] + logits[:4].argmax(-1).tolist()
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("method,budget", [("chain", 3), ("ddtree", 4), ("ddtree", 16), ("oracle", 8)])
+def test_greedy_is_lossless_with_every_builder(target, method, budget):
+    torch.manual_seed(1)
+    drafter = Drafter(drafter_config(new_drafter_config(target, 1, 6, 2, 2))).eval()
+    for n in (3, 11):
+        prompt = torch.randint(3, VOCAB, (n,)).tolist()
+        out, stats = speculative_generate(target, drafter, prompt, 32, method=method, budget=budget)
+        assert out == generate(target, [prompt], 32)[0]
+        if method == "oracle":  # the target's own tree always contains its greedy path
+            assert min(stats.accepted) >= 1
+
+
+def test_budget_zero_and_unknown_method_are_refused(target):
+    drafter = Drafter(drafter_config(new_drafter_config(target, 1, 4, 2, 1))).eval()
+    with pytest.raises(WeaverError, match="budget must be at least 1"):
+        speculative_generate(target, drafter, [5, 6], 4, method="ddtree", budget=0)
+    with pytest.raises(WeaverError, match="unknown tree method 'beam'"):
+        speculative_generate(target, drafter, [5, 6], 4, method="beam", budget=3)
