@@ -62,6 +62,7 @@ def test_eval_writes_result_rows(smoke, tmp_path):
     chain = rows["chain"]  # the drafter trained by the smoke pipeline, verified losslessly
     assert chain["greedy_match"] is True and chain["budget"] == 7 and chain["tau"] >= 1.0
     assert sum(chain["accept_hist"]) > 0 and 0 < chain["draft_share"] < 1
+    assert (tmp_path / "tau_vs_budget.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(

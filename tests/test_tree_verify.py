@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from hf_tiny import VOCAB
-from weaver.models.gdn import commit_path, gdn_gates, recurrent_gated_delta_rule, tree_gated_delta_rule
+from weaver.models.gdn import (
+    commit_path,
+    gdn_gates,
+    per_branch_tree_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    tree_gated_delta_rule,
+)
 from weaver.tree import Tree
 
 
@@ -35,7 +41,10 @@ def test_parallel_tree_gdn_equals_per_branch_recurrence(T, shape, groups):
                         torch.randn(HV, generator=gen), torch.randn(HV, generator=gen))
     S0 = torch.randn(1, HV, dk, dv, generator=gen)
     o, pending = tree_gated_delta_rule(q, k, v, g, beta, S0, tree.ancestors)
+    o_branch, states = per_branch_tree_gated_delta_rule(q, k, v, g, beta, S0, tree.parents)
+    torch.testing.assert_close(o, o_branch, atol=1e-5, rtol=1e-5)
     for node in range(T):
+        torch.testing.assert_close(commit_path(S0, pending, node), states[:, node], atol=1e-5, rtol=1e-5)
         path = tree.path_to(node)
         o_ref, s_ref = recurrent_gated_delta_rule(q[:, path], k[:, path], v[:, path], g[:, path], beta[:, path], S0)
         torch.testing.assert_close(o[:, node], o_ref[:, -1], atol=1e-5, rtol=1e-5)

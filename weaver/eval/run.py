@@ -16,10 +16,11 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from weaver.engine import TREE_METHODS, SpecStats, speculative_generate
 from weaver.errors import WeaverError
+from weaver.eval.plots import tau_vs_budget
 from weaver.generate import generate
 from weaver.io import atomic_write_text
-from weaver.engine import TREE_METHODS, SpecStats, speculative_generate
 from weaver.pipeline import artifact_dir, load_drafter_for, load_target_and_tokenizer
 
 
@@ -125,6 +126,8 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     append_results(out_dir / "results.jsonl", rows)
     print(summary_table(rows))
     print(f"results: {out_dir / 'results.jsonl'}")
+    if any(r["budget"] is not None for r in rows):
+        print(f"figure: {tau_vs_budget(rows, out_dir / 'tau_vs_budget.png', f'{cfg.experiment}: τ vs budget')}")
     return rows
 
 

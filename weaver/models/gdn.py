@@ -176,3 +176,21 @@ def commit_path(state: torch.Tensor, pending: PendingGDN, leaf: int) -> torch.Te
     G_leaf = pending.G[..., leaf : leaf + 1]  # (B, HV, 1)
     weights = torch.where(pending.ancestors[leaf], (G_leaf - pending.G).exp(), 0.0)  # (B, HV, T)
     return state.float() * G_leaf[..., None].exp() + (pending.k * weights[..., None]).transpose(-1, -2) @ pending.U
+
+
+def per_branch_tree_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, parents: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for trees: each node takes one recurrence step from its parent's state (the committed
+    state for children of the context). Keeps one (HV, d_k, d_v) state per node, as per-branch
+    verification does today. Returns (o (B, T, HV, d_v), states (B, T, HV, d_k, d_v))."""
+    T = q.shape[1]
+    states, outs = [], []
+    for i in range(T):
+        parent_state = state if parents[i] < 0 else states[parents[i]]
+        sl = slice(i, i + 1)
+        o, s = recurrent_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], parent_state)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, dim=1), torch.stack(states, dim=1)
