@@ -61,3 +61,12 @@ def test_budget_zero_and_unknown_method_are_refused(target):
         speculative_generate(target, drafter, [5, 6], 4, method="ddtree", budget=0)
     with pytest.raises(WeaverError, match="unknown tree method 'beam'"):
         speculative_generate(target, drafter, [5, 6], 4, method="beam", budget=3)
+
+
+@pytest.mark.parametrize("method", ["ddtree", "oracle"])
+def test_tree_sampling_runs_through_the_engine(target, method):
+    """Tree sampling (target-only acceptance) end to end; its distribution is tested in test_tree_rules."""
+    drafter = Drafter(drafter_config(new_drafter_config(target, 1, 5, 2, 1))).eval()
+    runs = [speculative_generate(target, drafter, [5, 6, 7], 20, temperature=1.0, method=method, budget=6,
+                                 generator=torch.Generator().manual_seed(4))[0] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 20 and all(0 <= t < VOCAB for t in runs[0])

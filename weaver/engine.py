@@ -19,7 +19,7 @@ from weaver.models.cache import ModelCache
 from weaver.models.drafter import Drafter
 from weaver.models.target import TargetModel
 from weaver.tree import Tree
-from weaver.verify import greedy_tree, speculative_sampling_chain
+from weaver.verify import greedy_tree, speculative_sampling_chain, target_only_tree
 
 
 @dataclass
@@ -56,7 +56,7 @@ TREE_METHODS = ("chain", "ddtree", "oracle")
 def propose(
     method: str, anchor: int, draft_logits: torch.Tensor, budget: int, target: TargetModel, cache: ModelCache
 ) -> Tree:
-    """The draft tree of one step (greedy decoding); see `weaver.builders`."""
+    """The draft tree of one step; see `weaver.builders`."""
     if method == "chain":
         return chain_tree(anchor, draft_logits, budget)
     if method == "ddtree":
@@ -81,15 +81,14 @@ def speculative_generate(
     """New tokens for one prompt with draft trees, plus acceptance statistics.
 
     method: chain (DFlash), ddtree or oracle (`weaver.builders`); budget: draft nodes per step
-    (default and maximum for chain: block_size - 1). Sampling (temperature > 0) uses speculative sampling
-    and is available for chains; tree sampling rules come with the trees issue.
+    (default and maximum for chain: block_size - 1). Sampling (temperature > 0): chains are drawn from the
+    drafter's marginals and verified by speculative sampling; trees are built as for greedy decoding and
+    verified target-only (`weaver.verify.target_only_tree`). Both are lossless.
     """
     if not prompt:
         raise WeaverError("every prompt must contain at least one token")
     budget = drafter.cfg.block_size - 1 if budget is None else budget
     check_budget(budget)
-    if temperature > 0 and method != "chain":
-        raise WeaverError(f"sampling (temperature > 0) is supported for chain drafts only, not '{method}'")
     device = target.embed.weight.device
     taps, block = drafter.cfg.target_layer_ids, drafter.cfg.block_size
     max_len = len(prompt) + max_new_tokens + max(block, budget + 1)
@@ -102,7 +101,7 @@ def speculative_generate(
     while len(new) < max_new_tokens and new[-1] != eos_token_id:
         start = time.perf_counter()
         draft_logits = drafter.draft(target, context, anchor, cache.next_position)[0]
-        if temperature <= 0:
+        if temperature <= 0 or method != "chain":
             tree, draft_probs = propose(method, int(anchor), draft_logits, budget, target, cache), None
         else:  # chain drafts sampled from the drafter's marginals
             draft_probs = torch.softmax(draft_logits[:budget].float() / temperature, dim=-1)
@@ -114,6 +113,8 @@ def speculative_generate(
         logits = verified.logits[0]
         if temperature <= 0:
             leaf, bonus = greedy_tree(tree, logits)
+        elif draft_probs is None:
+            leaf, bonus = target_only_tree(tree, logits, temperature, generator)
         else:
             leaf, bonus = speculative_sampling_chain(logits, draft_probs, tree.tokens[1:], temperature, generator)
         target.commit(cache, pending, leaf=leaf)

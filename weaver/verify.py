@@ -25,6 +25,26 @@ def greedy_tree(tree: Tree, target_logits: torch.Tensor) -> tuple[int, int]:
         node = child
 
 
+def target_only_tree(
+    tree: Tree, target_logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None
+) -> tuple[int, int]:
+    """(accepted leaf node, next token) for sampling on any tree, using the target alone: at each node draw
+    x ~ p(. | path) and move to the child holding x; the first x with no such child is emitted.
+
+    Every emitted token is a draw from the target's conditional, so the output is exactly the target's
+    distribution whatever the tree; the draft probabilities are not used.
+    """
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    node = 0
+    while True:
+        x = int(torch.multinomial(p[node], 1, generator=generator))
+        child = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == x), None)
+        if child is None:
+            return node, x
+        node = child
+
+
 def greedy_chain(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
     """(accepted drafts, bonus token) for the chain [anchor, d_1 .. d_{T-1}]: greedy_tree on a chain."""
     return greedy_tree(Tree.chain(torch.cat([drafts.new_zeros(1), drafts])), target_logits)

@@ -1,0 +1,49 @@
+"""Sampling on trees: target-only acceptance reproduces the target's distribution (chi-square), and a
+deliberately broken variant is caught. Uses the synthetic first-order target of test_verify_rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_verify_rules import CHI2_CRIT_DF15, V, chi_square, synthetic_problem
+from weaver.builders import ddtree
+from weaver.tree import Tree
+from weaver.verify import target_only_tree
+
+TRIALS = 12000
+
+
+def broken_argmax_when_off_tree(tree: Tree, target_logits: torch.Tensor, temperature: float, generator=None):
+    """Wrong: when the sampled token has no child, emit the target's argmax instead of the sample."""
+    leaf, token = target_only_tree(tree, target_logits, temperature, generator)
+    children = {int(tree.tokens[c]) for c in range(len(tree)) if int(tree.parents[c]) == leaf}
+    return (leaf, int(target_logits[leaf].argmax())) if token not in children else (leaf, token)
+
+
+def first_two(rule, log_p: torch.Tensor, q: torch.Tensor, temperature: float, budget: int, trials: int,
+              gen: torch.Generator, anchor: int = 0) -> torch.Tensor:
+    out = torch.empty(trials, 2, dtype=torch.long)
+    for t in range(trials):
+        emitted, a = [], anchor
+        while len(emitted) < 2:
+            tree = ddtree(a, q[a].log(), budget)  # deterministic tree from the proposal's marginals
+            leaf, token = rule(tree, log_p[tree.tokens], temperature, gen)  # row i = log p(. | node i)
+            emitted += tree.tokens[tree.path_to(leaf)][1:].tolist() + [token]
+            a = emitted[-1]
+        out[t] = torch.tensor(emitted[:2])
+    return out
+
+
+@pytest.mark.parametrize("temperature,budget", [(1.0, 5), (0.7, 3)])
+def test_target_only_tree_sampling_is_lossless(temperature, budget):
+    log_p, q = synthetic_problem(seed=11)
+    samples = first_two(target_only_tree, log_p, q, temperature, budget, TRIALS, torch.Generator().manual_seed(2))
+    assert chi_square(samples, log_p, temperature, anchor=0) < CHI2_CRIT_DF15
+
+
+def test_broken_tree_rule_is_caught():
+    log_p, q = synthetic_problem(seed=11)
+    samples = first_two(broken_argmax_when_off_tree, log_p, q, 1.0, 3, 4000, torch.Generator().manual_seed(3))
+    assert chi_square(samples, log_p, 1.0, anchor=0) > CHI2_CRIT_DF15
+    assert V == 4  # the critical value above is for V * V - 1 = 15 degrees of freedom
