@@ -17,8 +17,7 @@ TRIALS = 12000
 def broken_argmax_when_off_tree(tree: Tree, target_logits: torch.Tensor, temperature: float, generator=None):
     """Wrong: when the sampled token has no child, emit the target's argmax instead of the sample."""
     leaf, token = target_only_tree(tree, target_logits, temperature, generator)
-    children = {int(tree.tokens[c]) for c in range(len(tree)) if int(tree.parents[c]) == leaf}
-    return (leaf, int(target_logits[leaf].argmax())) if token not in children else (leaf, token)
+    return leaf, int(target_logits[leaf].argmax())  # the sample had no child at the leaf, by construction
 
 
 def first_two(rule, log_p: torch.Tensor, q: torch.Tensor, temperature: float, budget: int, trials: int,

@@ -47,6 +47,18 @@ class Tree:
         """(T,) 0 for children of the committed context; position id = next position + depth."""
         return self.ancestors.sum(-1) - 1
 
+    @cached_property
+    def _children(self) -> dict[tuple[int, int], int]:
+        """(parent node, token) -> child node (the first, should a token repeat among siblings)."""
+        children: dict[tuple[int, int], int] = {}
+        for node, (parent, token) in enumerate(zip(self.parents.tolist(), self.tokens.tolist())):
+            children.setdefault((parent, token), node)
+        return children
+
+    def child(self, node: int, token: int) -> int | None:
+        """The child of `node` that holds `token`, if any."""
+        return self._children.get((node, token))
+
     def path_to(self, leaf: int) -> torch.Tensor:
         """Root-to-leaf node indices (ascending = topological order)."""
         return self.ancestors[leaf].nonzero().squeeze(-1)

@@ -16,10 +16,9 @@ def greedy_tree(tree: Tree, target_logits: torch.Tensor) -> tuple[int, int]:
     """(accepted leaf node, bonus token): from the anchor (node 0), follow the child holding the target's
     argmax while there is one; the target's argmax at the last node reached is the bonus."""
     choice = target_logits.argmax(-1).tolist()
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     node = 0
     while True:
-        child = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == choice[node]), None)
+        child = tree.child(node, choice[node])
         if child is None:
             return node, choice[node]
         node = child
@@ -35,11 +34,10 @@ def target_only_tree(
     distribution whatever the tree; the draft probabilities are not used.
     """
     p = torch.softmax(target_logits.float() / temperature, dim=-1)
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     node = 0
     while True:
         x = int(torch.multinomial(p[node], 1, generator=generator))
-        child = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == x), None)
+        child = tree.child(node, x)
         if child is None:
             return node, x
         node = child

@@ -21,7 +21,7 @@ from torch import nn
 
 from weaver.errors import WeaverError
 from weaver.models.config import TargetConfig
-from weaver.models.target import MLP, RMSNorm, TargetModel, apply_rope
+from weaver.models.target import MLP, RMSNorm, TargetModel, apply_rope, rope_tables
 
 
 @dataclass(frozen=True)
@@ -106,10 +106,7 @@ class Drafter(nn.Module):
         self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        dtype = self.fc.weight.dtype
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_tables(positions, self.inv_freq, self.cfg.body.rope_scaling, self.fc.weight.dtype)
 
     def context(self, taps: list[torch.Tensor]) -> torch.Tensor:
         """Fused context features: Linear(K*H -> H) then RMSNorm over the concatenated taps."""

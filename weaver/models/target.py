@@ -84,6 +84,15 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     return h if h.dtype == x.dtype else h.to(x.dtype)
 
 
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (B, T, 1, rotary_dim) for position ids (B, T), in the rotate-half layout."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE on the first `rotary_dim` channels of (B, T, H, D); the rest pass through."""
     rot = cos.shape[-1]
@@ -368,8 +377,4 @@ class TargetModel(nn.Module):
         return Step(positions, cos, sin, start, mask[:, None], False, token_mask)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        dtype = self.embed.weight.dtype
-        scale = self.cfg.rope_scaling
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+        return rope_tables(positions, self.inv_freq, self.cfg.rope_scaling, self.embed.weight.dtype)
