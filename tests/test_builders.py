@@ -25,7 +25,7 @@ def test_ddtree_holds_the_best_scoring_paths(seed, budget):
     gen = torch.Generator().manual_seed(seed)
     depth, vocab = 3, 5
     logits = 3 * torch.randn(depth, vocab, generator=gen)
-    tree = ddtree(7, logits, budget)
+    tree = ddtree(7, logits, budget).tree
     log_p = logits.log_softmax(-1)
     scored = {
         path: sum(float(log_p[d, t]) for d, t in enumerate(path))
@@ -38,7 +38,7 @@ def test_ddtree_holds_the_best_scoring_paths(seed, budget):
 
 def test_chain_tree_takes_the_argmax_per_depth():
     logits = torch.randn(6, 11)
-    tree = chain_tree(3, logits, budget=4)
+    tree = chain_tree(3, logits, budget=4).tree
     assert tree.tokens.tolist() == [3] + logits[:4].argmax(-1).tolist()
     assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
 

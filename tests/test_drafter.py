@@ -97,7 +97,7 @@ def incremental_draft_logits(drafter: Drafter, target, layer_states: list[torch.
     cache = drafter.new_cache(1, context_len + 1)
     taps = [layer_states[i][:, :context_len] for i in drafter.cfg.target_layer_ids]
     drafter.extend_context(cache, taps, torch.arange(context_len)[None])
-    return drafter.draft(target, cache, torch.tensor([anchor]), torch.tensor([context_len]))[0]
+    return drafter.draft(target, cache, torch.tensor([anchor]), torch.tensor([context_len])).logits[0]
 
 
 # --- hand-written DFlash checkpoints ----------------------------------------------------------------------
@@ -315,6 +315,6 @@ def test_unsorted_target_layer_ids_are_honoured_or_refused(target, tmp_path):
     taps = target(ids, tap_layers=drafter.cfg.target_layer_ids).taps  # what the engine feeds the drafter
     cache = drafter.new_cache(1, 12)
     drafter.extend_context(cache, taps, torch.arange(11)[None])
-    ours = drafter.draft(target, cache, torch.tensor([42]), torch.tensor([11]))[0]
+    ours = drafter.draft(target, cache, torch.tensor([42]), torch.tensor([11])).logits[0]
     torch.testing.assert_close(ours, reference_draft_logits(tensors, config, target, target_states(target, ids), 11, 42),
                                rtol=1e-4, atol=1e-4)

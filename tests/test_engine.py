@@ -15,7 +15,7 @@ from hf_tiny import VOCAB
 from weaver.engine import speculative_generate
 from weaver.errors import WeaverError
 from weaver.generate import generate
-from weaver.models.drafter import Drafter
+from weaver.models.drafter import Draft, Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
 
 NEW = 48
@@ -76,7 +76,7 @@ class OracleDrafter:
             self.corrupted += 1
         logits = torch.randn(1, B - 1, VOCAB)
         logits[0, torch.arange(B - 1), torch.tensor(tokens)] = 10.0
-        return logits
+        return Draft(logits, torch.zeros(1, B - 1, self.hidden))
 
 
 @pytest.mark.parametrize("block_size", BLOCKS)

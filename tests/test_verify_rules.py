@@ -1,12 +1,13 @@
 """Acceptance rules alone (weaver.verify): greedy on hand-made logits, and exact statistical tests of
-speculative sampling along a chain against a synthetic Markov target over a tiny vocabulary.
+recursive rejection sampling on chains and sampled trees against a synthetic Markov target over a tiny
+vocabulary.
 
-The sampling test simulates what the engine does: draft a chain d_1..d_3 ~ q_i from a factorized
-proposal, score [anchor, d_1, d_2, d_3] with the target, run the rule, and keep the emitted tokens
-(accepted drafts, then the bonus); if a step emits one token only, the next step starts from it with
-fresh drafts. The first two emitted tokens must follow p(x1 | a) p(x2 | x1) exactly (chi-square test),
-and the same test must reject deliberately broken rules. A chain of one draft puts the bonus token after
-a fully accepted chain among the first two tokens too.
+The sampling test simulates what the engine does: draw a draft tree from a factorized proposal q_d
+(`weaver.builders`, children drawn without replacement), score its nodes with the target, run the rule,
+and keep the emitted tokens (accepted drafts, then the rule's token); if a step emits one token only, the
+next step starts from it with a fresh tree. The first two emitted tokens must follow p(x1 | a) p(x2 | x1)
+exactly (chi-square test), and the same test must reject deliberately broken rules. A chain of one draft
+puts the bonus token after a fully accepted chain among the first two tokens too.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weaver.verify import greedy_chain, speculative_sampling_chain
+from weaver.builders import best_first_tree, marginal_logprobs
+from weaver.tree import Tree
+from weaver.verify import greedy_chain, recursive_rejection_tree
 
 V = 4  # vocabulary of the synthetic target
 CHAIN = 3  # drafts per step
-TRIALS = 20000  # for the correct rule (test power); broken rules fail by orders of magnitude with fewer
+TRIALS = 8000  # for the correct rule (test power); broken rules fail by orders of magnitude with fewer
 BROKEN_TRIALS = 4000
 # Upper 1e-3 quantile of chi-square with V*V - 1 = 15 degrees of freedom (scipy.stats.chi2.ppf(0.999, 15)).
 CHI2_CRIT_DF15 = 37.697
@@ -63,46 +66,45 @@ def test_greedy_chain_single_node():
 # --- sampling: broken rules the test must catch ------------------------------------------------------
 
 
-def broken_resample_from_p(target_logits, draft_probs, drafts, temperature, generator=None):
-    """Wrong: on rejection, sample from p_i instead of the residual max(p_i - q_i, 0)."""
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)
-    u = torch.rand(len(drafts), generator=generator)
-    for i, d in enumerate(drafts.tolist()):
-        if u[i] * draft_probs[i, d] <= p[i, d]:
-            continue
-        return i, int(torch.multinomial(p[i], 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
+def broken_rrs(tree: Tree, target_logits, child_probs, temperature, generator=None, *, residual=True,
+               inverted=False, drop_rejected=True, bonus_from_parent=False):
+    """recursive_rejection_tree with one deliberate mistake switched on."""
+    probs = torch.softmax(target_logits.float() / temperature, dim=-1)
+    node = 0
+    while True:
+        p, q = probs[node], child_probs.get(node)
+        for child in tree.children(node):
+            x = int(tree.tokens[child])
+            u = float(torch.rand((), generator=generator))
+            if (u * float(p[x]) <= float(q[x])) if inverted else (u * float(q[x]) <= float(p[x])):
+                node = child
+                break
+            if residual:
+                r = (p - q).clamp_min(0)
+                p = r / r.sum()
+            if drop_rejected:
+                q = q.clone()
+                q[x] = 0.0
+                q = q / q.sum()
+        else:
+            if bonus_from_parent and not tree.children(node) and node > 0:
+                p = probs[int(tree.parents[node])]
+            return node, int(torch.multinomial(p, 1, generator=generator))
 
 
-def broken_inverted_ratio(target_logits, draft_probs, drafts, temperature, generator=None):
-    """Wrong: accept with probability min(1, q/p) (the ratio inverted); residual as usual."""
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)
-    u = torch.rand(len(drafts), generator=generator)
-    for i, d in enumerate(drafts.tolist()):
-        if u[i] * p[i, d] <= draft_probs[i, d]:
-            continue
-        residual = (p[i] - draft_probs[i]).clamp_min(0)
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
-
-
-def broken_bonus_row(target_logits, draft_probs, drafts, temperature, generator=None):
-    """Wrong: after accepting every draft, the bonus comes from the row before the last (off by one)."""
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)
-    u = torch.rand(len(drafts), generator=generator)
-    for i, d in enumerate(drafts.tolist()):
-        if u[i] * draft_probs[i, d] <= p[i, d]:
-            continue
-        residual = (p[i] - draft_probs[i]).clamp_min(0)
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[-2], 1, generator=generator))
+BROKEN = {
+    "resample from p": dict(residual=False),  # on rejection, sample from p instead of max(p - q, 0)
+    "inverted ratio": dict(inverted=True),  # accept with min(1, q/p)
+    "keep rejected in q": dict(drop_rejected=False),  # siblings drawn without replacement, q not updated
+    "bonus off by one": dict(bonus_from_parent=True),  # after a fully accepted path, draw from the parent's p
+}
 
 
 # --- sampling: the simulation ----------------------------------------------------------------------
 
 
 def synthetic_problem(seed: int, chain: int = CHAIN) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p table (V, V): row a = log p(. | a), proposal q (V, chain, V): q_i(. | anchor a)).
+    """(log p table (V, V): row a = log p(. | a), proposal q (V, chain, V): q_d(. | anchor a)).
 
     Both peaky and different from each other; p keeps every entry >= 0.05 so every chi-square cell
     has a healthy expected count.
@@ -113,22 +115,26 @@ def synthetic_problem(seed: int, chain: int = CHAIN) -> tuple[torch.Tensor, torc
     return p.log(), q
 
 
-def first_two_tokens(rule, log_p: torch.Tensor, q: torch.Tensor, temperature: float, anchor: int,
-                     trials: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def first_two_tokens(rule, log_p: torch.Tensor, q: torch.Tensor, temperature: float, anchor: int, trials: int,
+                     gen: torch.Generator, width: int = 1, budget: int | None = None,
+                     drawn: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(trials, 2) first two tokens emitted by repeated verify steps from `anchor`, and how often each
-    number of accepted drafts occurred (over all steps)."""
-    chain = q.shape[1]
+    accepted depth occurred (over all steps). drawn=False builds the greedy (k-best) tree instead."""
+    depth = q.shape[1]
+    budget = budget or depth
     out = torch.empty(trials, 2, dtype=torch.long)
-    accepted = torch.zeros(chain + 1, dtype=torch.long)
+    accepted = torch.zeros(depth + 1, dtype=torch.long)
     for t in range(trials):
         emitted, a = [], anchor
         while len(emitted) < 2:
-            drafts = torch.multinomial(q[a], 1, generator=gen).squeeze(-1)  # d_i ~ q_i(. | a), fresh each step
-            nodes = torch.cat([torch.tensor([a]), drafts])
-            n, bonus = rule(log_p[nodes], q[a], drafts, temperature, gen)  # row i = log p(. | node i)
-            assert 0 <= n <= chain and 0 <= bonus < V
-            accepted[n] += 1
-            emitted += drafts[:n].tolist() + [bonus]
+            proposal = best_first_tree(a, budget, depth, marginal_logprobs(q[a].log()), width,
+                                       generator=gen if drawn else None)
+            tree = proposal.tree
+            leaf, token = rule(tree, log_p[tree.tokens], proposal.child_probs, temperature, gen)  # row i: p(. | node i)
+            assert 0 <= token < V
+            path = tree.path_to(leaf)
+            accepted[len(path) - 1] += 1
+            emitted += tree.tokens[path[1:]].tolist() + [token]
             a = emitted[-1]
         out[t] = torch.tensor(emitted[:2])
     return out, accepted
@@ -143,22 +149,39 @@ def chi_square(samples: torch.Tensor, log_p: torch.Tensor, temperature: float, a
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-@pytest.mark.parametrize("temperature,chain,anchor", [(1.0, 3, 0), (0.7, 3, 2), (1.0, 1, 1)])
-def test_speculative_sampling_chain_is_lossless(temperature, chain, anchor):
-    """chain 3: the first two tokens come from accepted drafts, the residual, or the bonus after one
-    accepted draft; chain 1: also from the bonus after a fully accepted chain."""
+@pytest.mark.parametrize("temperature,chain,anchor,width,budget", [
+    (1.0, 3, 0, 1, 3),  # a chain: standard speculative sampling
+    (1.0, 1, 1, 1, 1),  # a chain of one draft: the bonus after a fully accepted chain
+    (0.7, 3, 2, 2, 5),  # sampled trees: siblings drawn without replacement
+    (1.0, 2, 0, 3, 6),
+])
+def test_recursive_rejection_sampling_is_lossless(temperature, chain, anchor, width, budget):
     log_p, q = synthetic_problem(seed=1, chain=chain)
     gen = torch.Generator().manual_seed(123)
-    samples, accepted = first_two_tokens(speculative_sampling_chain, log_p, q, temperature, anchor, TRIALS, gen)
-    assert (accepted > 0.02 * accepted.sum()).all(), accepted  # every branch of the rule is exercised
+    samples, accepted = first_two_tokens(recursive_rejection_tree, log_p, q, temperature, anchor, TRIALS, gen,
+                                         width, budget)
+    assert (accepted > 0.02 * accepted.sum()).all(), accepted  # every depth is reached, so every branch runs
     stat = chi_square(samples, log_p, temperature, anchor)
     assert stat < CHI2_CRIT_DF15, f"chi2 = {stat:.1f}"
 
 
-@pytest.mark.parametrize("rule,chain", [(broken_resample_from_p, 3), (broken_inverted_ratio, 3), (broken_bonus_row, 1)])
-def test_broken_rules_are_detected(rule, chain):
+@pytest.mark.parametrize("name,chain,width,budget,trials", [
+    ("resample from p", 3, 1, 3, BROKEN_TRIALS), ("inverted ratio", 3, 1, 3, BROKEN_TRIALS),
+    ("keep rejected in q", 2, 3, 6, TRIALS),  # the subtle one (chi2 about 55 at 4000 trials)
+    ("bonus off by one", 1, 1, 1, BROKEN_TRIALS),
+])
+def test_broken_rules_are_detected(name, chain, width, budget, trials):
     log_p, q = synthetic_problem(seed=1, chain=chain)
     gen = torch.Generator().manual_seed(123)
-    samples, _ = first_two_tokens(rule, log_p, q, 1.0, 1 if chain == 1 else 0, BROKEN_TRIALS, gen)
+    rule = lambda *args: broken_rrs(*args, **BROKEN[name])  # noqa: E731
+    samples, _ = first_two_tokens(rule, log_p, q, 1.0, 1 if chain == 1 else 0, trials, gen, width, budget)
     stat = chi_square(samples, log_p, 1.0, 1 if chain == 1 else 0)
-    assert stat > CHI2_CRIT_DF15, f"broken rule passed: chi2 = {stat:.1f}"
+    assert stat > CHI2_CRIT_DF15, f"broken rule '{name}' passed: chi2 = {stat:.1f}"
+
+
+def test_rejection_sampling_needs_drawn_children():
+    """The same rule on the greedy (k-best) tree is biased: children must be drawn from q."""
+    log_p, q = synthetic_problem(seed=1, chain=2)
+    gen = torch.Generator().manual_seed(5)
+    samples, _ = first_two_tokens(recursive_rejection_tree, log_p, q, 1.0, 0, BROKEN_TRIALS, gen, 3, 6, drawn=False)
+    assert chi_square(samples, log_p, 1.0, 0) > CHI2_CRIT_DF15

@@ -1,89 +1,206 @@
-"""Tree builders: from the drafter's per-depth scores to a draft tree under a node budget (DESIGN.md §2.4).
+"""Tree builders: from per-node child distributions to a draft tree under a node budget (DESIGN.md §2.4).
 
-Every builder returns a `Tree` whose node 0 is the anchor (the last committed token) and whose other
-nodes, at most `budget` of them, are draft tokens in topological order.
+Every builder returns a `Proposal`: a `Tree` whose node 0 is the anchor (the last committed token) and
+whose other nodes, at most `budget` of them, are draft tokens in topological order, plus the
+distribution each expanded node's children were taken from (what draft-aware acceptance needs).
 
-- chain: the argmax at each depth (DFlash).
-- ddtree: best-first search over the factorized marginals; a path's score is the sum of its per-depth
-  log-marginals. Marginals do not depend on the path, so every node's children come in the same
-  order (the depth's ranking), and the k-best search only needs "next child" and "next sibling" moves.
-- oracle: the same search scored by the target's own conditional log-probs (computed by running the
-  target on each expanded node's path): not deployable, it is the τ ceiling for a budget.
+All builders are one best-first search (`best_first_tree`) over "slots": a slot is the next child of an
+expanded node, and its priority is the node's path score plus the log of the mass its next child
+takes. The builders differ in the child distributions:
+
+- chain: the drafter's per-depth marginals, one child per node (DFlash).
+- ddtree: the same marginals, up to `width` children per node: path score = sum of log-marginals.
+- weaver: the adapter's conditional distribution given the path (`weaver.models.adapter`).
+- oracle: the target's own conditionals (running the target on each expanded node's path): not
+  deployable, it is the τ ceiling for a budget.
+
+Greedy decoding takes each node's children in order of probability (k-best search). Sampling draws them
+without replacement from the node's distribution; a slot's priority then uses the mass still undrawn,
+which depends only on the children drawn before it, so whether a child exists never depends on its own
+value: the condition recursive rejection sampling (`weaver.verify.recursive_rejection_tree`) needs.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from weaver.errors import WeaverError
+from weaver.models.adapter import WeaverAdapter, draft_pools
 from weaver.tree import Tree
 
-# scores(parent node index, parent's path tokens) -> log-probs (V,) of its children's tokens
-ChildScores = Callable[[int, list[int]], torch.Tensor]
+
+@dataclass
+class Grown:
+    """The tree so far, as the search grows it (node-indexed lists)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    paths: list[list[int]]  # root-to-node tokens
 
 
-def chain_tree(anchor: int, draft_logits: torch.Tensor, budget: int) -> Tree:
-    tokens = torch.cat([torch.tensor([anchor]), draft_logits[:budget].argmax(-1).cpu()])
-    return Tree.chain(tokens)
+# child_logprobs(nodes, tree so far) -> (len(nodes), V) log-probs of each node's children
+ChildLogProbs = Callable[[list[int], Grown], torch.Tensor]
 
 
-def best_first_tree(anchor: int, budget: int, max_depth: int, child_scores: ChildScores, width: int) -> Tree:
-    """k-best expansion: pop the best-scoring candidate, add it, push its first child and next sibling.
+@dataclass
+class Proposal:
+    tree: Tree
+    child_probs: dict[int, torch.Tensor]  # expanded node -> (V,) distribution its children were taken from
 
-    A candidate is (score, parent node, rank r): the parent's r-th best child. Ranks are limited to
-    `width` per node (`budget` is the natural bound).
-    """
-    tokens, parents, depths, paths = [anchor], [-1], [0], [[anchor]]
-    ranked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # node -> (sorted log-probs, tokens)
 
-    def candidate(parent: int, rank: int, base: float) -> tuple[float, int, int] | None:
-        if depths[parent] >= max_depth or rank >= width:
+class _Children:
+    """The children of one expanded node: in order of probability, or drawn without replacement."""
+
+    def __init__(self, logprobs: torch.Tensor, width: int, generator: torch.Generator | None):
+        self.probs = logprobs.float().exp()
+        self.width, self.generator, self.count = width, generator, 0
+        if generator is None:
+            self.values, self.order = logprobs.float().topk(min(width, logprobs.shape[-1]))
+        else:
+            self.undrawn = self.probs.clone()
+
+    def next_log_mass(self) -> float | None:
+        """Log of the mass the next child takes (greedy: its probability; sampled: the undrawn mass)."""
+        if self.count >= self.width:
             return None
-        if parent not in ranked:
-            values, order = child_scores(parent, paths[parent]).float().topk(width)
-            ranked[parent] = (values.cpu(), order.cpu())
-        return (-(base + float(ranked[parent][0][rank])), parent, rank)
+        if self.generator is None:
+            return float(self.values[self.count]) if self.count < len(self.values) else None
+        mass = float(self.undrawn.sum())
+        return math.log(mass) if mass > 1e-12 else None
 
-    scores = [0.0]
-    heap = [c for c in [candidate(0, 0, 0.0)] if c is not None]
+    def take(self) -> tuple[int, float]:
+        """(token, log-prob) of the next child."""
+        if self.generator is None:
+            token, logprob = int(self.order[self.count]), float(self.values[self.count])
+        else:
+            token = int(torch.multinomial(self.undrawn, 1, generator=self.generator))
+            logprob = math.log(float(self.probs[token]))
+            self.undrawn[token] = 0.0
+        self.count += 1
+        return token, logprob
+
+
+def best_first_tree(
+    anchor: int, budget: int, max_depth: int, child_logprobs: ChildLogProbs, width: int,
+    nodes_per_call: int = 1, generator: torch.Generator | None = None,
+) -> Proposal:
+    """Best-first search over slots (see the module doc): pop up to `nodes_per_call` best slots, add their
+    children to the tree, then expand the new nodes with one `child_logprobs` call.
+
+    generator None: greedy (k-best) order; otherwise children are drawn without replacement.
+    """
+    grown = Grown([anchor], [-1], [0], [[anchor]])
+    tokens, parents, depths, paths, scores = grown.tokens, grown.parents, grown.depths, grown.paths, [0.0]
+    children: dict[int, _Children] = {}
+    heap: list[tuple[float, int, int]] = []  # (-priority, tie-break, node whose next child this slot is)
+
+    def push_slot(node: int) -> None:
+        log_mass = children[node].next_log_mass()
+        if log_mass is not None:
+            heapq.heappush(heap, (-(scores[node] + log_mass), len(tokens), node))
+
+    def expand(nodes: list[int]) -> None:
+        nodes = [n for n in nodes if depths[n] < max_depth]
+        if nodes:
+            logprobs = child_logprobs(nodes, grown).detach().cpu()
+            for n, row in zip(nodes, logprobs):
+                children[n] = _Children(row, width, generator)
+                push_slot(n)
+
+    expand([0])
     while heap and len(tokens) <= budget:
-        neg, parent, rank = heapq.heappop(heap)
-        node = len(tokens)
-        token = int(ranked[parent][1][rank])
-        tokens.append(token)
-        parents.append(parent)
-        depths.append(depths[parent] + 1)
-        paths.append(paths[parent] + [token])
-        scores.append(-neg)
-        for c in (candidate(node, 0, -neg), candidate(parent, rank + 1, scores[parent])):
-            if c is not None:
-                heapq.heappush(heap, c)
-    return Tree(torch.tensor(tokens), torch.tensor(parents))
+        new: list[int] = []
+        while heap and len(new) < nodes_per_call and len(tokens) <= budget:
+            _, _, parent = heapq.heappop(heap)
+            token, logprob = children[parent].take()
+            new.append(len(tokens))
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(depths[parent] + 1)
+            paths.append(paths[parent] + [token])
+            scores.append(scores[parent] + logprob)
+            push_slot(parent)
+        if len(tokens) <= budget:
+            expand(new)
+    tree = Tree(torch.tensor(tokens), torch.tensor(parents))
+    return Proposal(tree, {n: c.probs for n, c in children.items()})
 
 
-def ddtree(anchor: int, draft_logits: torch.Tensor, budget: int) -> Tree:
+def marginal_logprobs(draft_logits: torch.Tensor, temperature: float = 1.0) -> ChildLogProbs:
+    """Children of a node at depth d are scored by the drafter's marginal at block position d + 1."""
+    log_marginals = (draft_logits.float() / temperature).log_softmax(-1)
+    return lambda nodes, grown: log_marginals[[grown.depths[n] for n in nodes]]
+
+
+def chain_tree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
+               temperature: float = 1.0) -> Proposal:
+    """DFlash's chain: the argmax (or one draw) per depth, `budget` drafts at most."""
+    return best_first_tree(anchor, budget, len(draft_logits), marginal_logprobs(draft_logits, temperature), 1,
+                           generator=generator)
+
+
+def ddtree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
+           temperature: float = 1.0) -> Proposal:
     """Best-first over the factorized marginals draft_logits (D, V): depth d scores use row d - 1."""
-    log_marginals = draft_logits.float().log_softmax(-1)
-
-    def scores(parent: int, path: list[int]) -> torch.Tensor:
-        return log_marginals[len(path) - 1]
-
-    return best_first_tree(anchor, budget, len(draft_logits), scores, min(budget, draft_logits.shape[-1]))
+    return best_first_tree(anchor, budget, len(draft_logits), marginal_logprobs(draft_logits, temperature),
+                           min(budget, draft_logits.shape[-1]), generator=generator)
 
 
-def oracle_tree(anchor: int, budget: int, max_depth: int, target, cache) -> Tree:
+def oracle_tree(anchor: int, budget: int, max_depth: int, target, cache, generator: torch.Generator | None = None,
+                temperature: float = 1.0) -> Proposal:
     """Best-first over the target's own conditionals: each expanded node's children are scored by
     running the target on that node's path (a verify pass, so the committed cache is untouched)."""
     device = target.embed.weight.device
 
-    def scores(parent: int, path: list[int]) -> torch.Tensor:
-        logits = target.verify(Tree.chain(torch.tensor(path, device=device)), cache)[0].logits[0, -1]
-        return logits.float().log_softmax(-1)
+    def logprobs(nodes: list[int], grown: Grown) -> torch.Tensor:
+        paths = [torch.tensor(grown.paths[n], device=device) for n in nodes]
+        rows = [target.verify(Tree.chain(path), cache)[0].logits[0, -1] for path in paths]
+        return (torch.stack(rows).float() / temperature).log_softmax(-1)
 
-    return best_first_tree(anchor, budget, max_depth, scores, min(budget, target.cfg.vocab_size))
+    return best_first_tree(anchor, budget, max_depth, logprobs, min(budget, target.cfg.vocab_size),
+                           generator=generator)
+
+
+def weaver_tree(
+    anchor: int, budget: int, adapter: WeaverAdapter, target, draft_logits: torch.Tensor, draft_hidden: torch.Tensor,
+    target_hidden: torch.Tensor, width: int, nodes_per_call: int, generator: torch.Generator | None = None,
+    temperature: float = 1.0,
+) -> Proposal:
+    """Best-first over the adapter's path-conditional distributions on the drafter's top-M pools.
+
+    draft_logits/draft_hidden (D, V)/(D, H) from `Drafter.draft`; target_hidden (H,) the target's
+    final-norm state of the token before the anchor. Each adapter call scores `nodes_per_call` new
+    nodes, which attend to the prefix memory and to their (already scored) ancestors.
+    """
+    pool_logits, pool_tokens = draft_pools(draft_logits, adapter.cfg.pool_size)
+    candidates = adapter.project_candidates(target, pool_tokens)  # (D, M, r), constant for this step
+    cache = adapter.start(adapter.prefix(target_hidden[None], draft_hidden[None]))
+    slot: dict[int, int] = {}  # tree node -> its position among the adapter cache's nodes
+
+    def logprobs(nodes: list[int], grown: Grown) -> torch.Tensor:
+        sees = torch.zeros(1, len(nodes), len(slot) + len(nodes), dtype=torch.bool, device=candidates.device)
+        for j, node in enumerate(nodes):
+            ancestor = grown.parents[node]
+            while ancestor >= 0:
+                sees[0, j, slot[ancestor]] = True
+                ancestor = grown.parents[ancestor]
+            slot[node] = sees.shape[-1] - len(nodes) + j
+            sees[0, j, slot[node]] = True
+        tokens = torch.tensor([grown.tokens[n] for n in nodes], device=candidates.device)
+        depths = torch.tensor([grown.depths[n] for n in nodes], device=candidates.device)
+        states = adapter(adapter.node_inputs(target, tokens)[None], depths, cache, sees)[0]
+        scores = adapter.pool_scores(states, pool_logits[depths], candidates[depths]) / temperature
+        out = torch.full((len(nodes), draft_logits.shape[-1]), float("-inf"), device=scores.device)
+        return out.scatter_(1, pool_tokens[depths], scores.log_softmax(-1))
+
+    return best_first_tree(anchor, budget, len(draft_logits), logprobs, min(width, adapter.cfg.pool_size),
+                           nodes_per_call, generator)
 
 
 def check_budget(budget: int) -> None:

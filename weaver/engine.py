@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from weaver.errors import WeaverError
-from weaver.builders import chain_tree, check_budget, ddtree, oracle_tree
+from weaver.builders import Proposal, chain_tree, check_budget, ddtree, oracle_tree, weaver_tree
 from weaver.generate import sample_next, until_eos
 from weaver.models.cache import ModelCache
-from weaver.models.drafter import Drafter
+from weaver.models.adapter import WeaverAdapter, expansion_batch
+from weaver.models.drafter import Draft, Drafter
 from weaver.models.target import TargetModel
-from weaver.tree import Tree
-from weaver.verify import greedy_tree, speculative_sampling_chain, target_only_tree
+from weaver.verify import greedy_tree, recursive_rejection_tree, target_only_tree
 
 
 @dataclass
@@ -50,19 +50,40 @@ def check_pair(target: TargetModel, drafter: Drafter) -> None:
         raise WeaverError(f"drafter taps target layers {bad}, but the target has {t.num_layers} layers")
 
 
-TREE_METHODS = ("chain", "ddtree", "oracle")
+TREE_METHODS = ("chain", "ddtree", "weaver", "oracle")
+SAMPLING_RULES = ("rrs", "target_only")
+
+
+@dataclass
+class StepInputs:
+    """What one step's tree builders may read."""
+
+    anchor: int
+    draft: Draft  # the drafter's block (batch row 0 is used)
+    target_hidden: torch.Tensor  # (H,) target's final-norm state of the token before the anchor
+    cache: ModelCache  # the target's committed cache (the oracle verifies paths against it)
 
 
 def propose(
-    method: str, anchor: int, draft_logits: torch.Tensor, budget: int, target: TargetModel, cache: ModelCache
-) -> Tree:
-    """The draft tree of one step; see `weaver.builders`."""
+    method: str, step: StepInputs, budget: int, target: TargetModel, adapter: WeaverAdapter | None = None,
+    width: int = 8, nodes_per_call: int | None = None, generator: torch.Generator | None = None,
+    temperature: float = 1.0,
+) -> Proposal:
+    """The draft tree of one step (see `weaver.builders`); drawn without replacement when a generator is
+    given, else greedy. width / nodes_per_call: the Weaver search's children per node and nodes per call."""
+    logits = step.draft.logits[0]
     if method == "chain":
-        return chain_tree(anchor, draft_logits, budget)
+        return chain_tree(step.anchor, logits, budget, generator, temperature)
     if method == "ddtree":
-        return ddtree(anchor, draft_logits, budget)
+        return ddtree(step.anchor, logits, budget, generator, temperature)
+    if method == "weaver":
+        if adapter is None:
+            raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
+        per_call = nodes_per_call or expansion_batch(budget)
+        return weaver_tree(step.anchor, budget, adapter, target, logits, step.draft.hidden[0], step.target_hidden,
+                           width, per_call, generator, temperature)
     if method == "oracle":
-        return oracle_tree(anchor, budget, len(draft_logits), target, cache)
+        return oracle_tree(step.anchor, budget, len(logits), target, step.cache, generator, temperature)
     raise WeaverError(f"unknown tree method '{method}'; available: {', '.join(TREE_METHODS)}")
 
 
@@ -77,16 +98,23 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     method: str = "chain",
     budget: int | None = None,
+    adapter: WeaverAdapter | None = None,
+    sampling: str = "rrs",
+    width: int = 8,
+    nodes_per_call: int | None = None,
 ) -> tuple[list[int], SpecStats]:
     """New tokens for one prompt with draft trees, plus acceptance statistics.
 
-    method: chain (DFlash), ddtree or oracle (`weaver.builders`); budget: draft nodes per step
-    (default and maximum for chain: block_size - 1). Sampling (temperature > 0): chains are drawn from the
-    drafter's marginals and verified by speculative sampling; trees are built as for greedy decoding and
-    verified target-only (`weaver.verify.target_only_tree`). Both are lossless.
+    method: chain (DFlash), ddtree, weaver (needs `adapter`) or oracle (`weaver.builders`); budget: draft
+    nodes per step (default: block_size - 1). Greedy (temperature 0) follows the target's argmax through
+    a k-best tree. Sampling: `rrs` draws each node's children without replacement from its draft
+    distribution and verifies by recursive rejection sampling; `target_only` verifies the greedy tree by
+    sampling from the target alone. Both are lossless.
     """
     if not prompt:
         raise WeaverError("every prompt must contain at least one token")
+    if sampling not in SAMPLING_RULES:
+        raise WeaverError(f"unknown sampling rule '{sampling}'; available: {', '.join(SAMPLING_RULES)}")
     budget = drafter.cfg.block_size - 1 if budget is None else budget
     check_budget(budget)
     device = target.embed.weight.device
@@ -96,27 +124,25 @@ def speculative_generate(
     ids = torch.tensor([prompt], device=device)
     out = target(ids, cache, tap_layers=taps, logits_to_keep=1)
     drafter.extend_context(context, out.taps, torch.arange(len(prompt), device=device)[None])
-    anchor = sample_next(out.logits[:, -1], temperature, generator)
+    anchor, hidden = sample_next(out.logits[:, -1], temperature, generator), out.hidden[0, -1]
+    drawn = temperature > 0 and sampling == "rrs"
     new, stats = [int(anchor)], SpecStats()
     while len(new) < max_new_tokens and new[-1] != eos_token_id:
         start = time.perf_counter()
-        draft_logits = drafter.draft(target, context, anchor, cache.next_position)[0]
-        if temperature <= 0 or method != "chain":
-            tree, draft_probs = propose(method, int(anchor), draft_logits, budget, target, cache), None
-        else:  # chain drafts sampled from the drafter's marginals
-            draft_probs = torch.softmax(draft_logits[:budget].float() / temperature, dim=-1)
-            drafts = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)
-            tree = Tree.chain(torch.cat([anchor, drafts]))
+        draft = drafter.draft(target, context, anchor, cache.next_position)
+        proposal = propose(method, StepInputs(int(anchor), draft, hidden, cache), budget, target, adapter, width,
+                           nodes_per_call, generator if drawn else None, temperature if drawn else 1.0)
+        tree = proposal.tree
         mid = time.perf_counter()
         anchor_position = cache.next_position.clone()
         verified, pending = target.verify(tree, cache, taps)
         logits = verified.logits[0]
         if temperature <= 0:
             leaf, bonus = greedy_tree(tree, logits)
-        elif draft_probs is None:
-            leaf, bonus = target_only_tree(tree, logits, temperature, generator)
+        elif drawn:
+            leaf, bonus = recursive_rejection_tree(tree, logits, proposal.child_probs, temperature, generator)
         else:
-            leaf, bonus = speculative_sampling_chain(logits, draft_probs, tree.tokens[1:], temperature, generator)
+            leaf, bonus = target_only_tree(tree, logits, temperature, generator)
         target.commit(cache, pending, leaf=leaf)
         path = tree.path_to(leaf)
         positions = anchor_position[:, None] + torch.arange(len(path), device=device)
@@ -125,5 +151,5 @@ def speculative_generate(
         stats.verify_s += time.perf_counter() - mid
         stats.accepted.append(len(path) - 1)
         new += tree.tokens[path[1:]].tolist() + [bonus]
-        anchor = torch.tensor([bonus], device=device)
+        anchor, hidden = torch.tensor([bonus], device=device), verified.hidden[0, leaf]
     return until_eos(new[:max_new_tokens], eos_token_id), stats

@@ -74,6 +74,14 @@ def _run_drafter(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
     train_drafter(cfg, target, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir)
 
 
+def _run_weaver(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    from weaver.train.adapter import train_adapter
+
+    target, tokenizer = load_target_and_tokenizer(cfg)
+    drafter = load_drafter_for(cfg, target)
+    train_adapter(cfg, target, drafter, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir)
+
+
 def _scratch(cfg: DictConfig) -> bool:
     return cfg.model.source == "scratch"
 
@@ -85,6 +93,10 @@ STAGES: dict[str, Stage] = {
     "drafter": Stage(
         "drafter", ("rollouts",), lambda cfg: [cfg.drafter, cfg.seed], _run_drafter,
         needed=lambda cfg: cfg.drafter.path is None,
+    ),
+    "weaver": Stage(
+        "weaver", ("rollouts", "drafter"), lambda cfg: [cfg.weaver, cfg.seed], _run_weaver,
+        needed=lambda cfg: cfg.weaver.path is None,
     ),
 }
 
@@ -173,3 +185,13 @@ def load_drafter_for(cfg: DictConfig, target):
     if not folder.exists():
         raise WeaverError(f"no trained drafter at {folder}; run `python train.py +experiment={cfg.experiment}` first")
     return load_drafter(str(folder), target)
+
+
+def load_adapter_for(cfg: DictConfig, target, drafter):
+    """The experiment's Weaver adapter: a given folder (cfg.weaver.path) or the trained artifact."""
+    from weaver.models.adapter import load_adapter
+
+    folder = Path(cfg.weaver.path) if cfg.weaver.path is not None else artifact_dir(cfg, "weaver")
+    if not folder.exists():
+        raise WeaverError(f"no trained Weaver adapter at {folder}; run `python train.py +experiment={cfg.experiment}` first")
+    return load_adapter(folder, target, drafter.cfg.block_size - 1)

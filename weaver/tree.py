@@ -59,6 +59,18 @@ class Tree:
         """The child of `node` that holds `token`, if any."""
         return self._children.get((node, token))
 
+    @cached_property
+    def _child_lists(self) -> list[list[int]]:
+        lists: list[list[int]] = [[] for _ in range(len(self))]
+        for node, parent in enumerate(self.parents.tolist()):
+            if parent >= 0:
+                lists[parent].append(node)
+        return lists
+
+    def children(self, node: int) -> list[int]:
+        """The children of `node` in index order (for sampled trees: the order they were drawn in)."""
+        return self._child_lists[node]
+
     def path_to(self, leaf: int) -> torch.Tensor:
         """Root-to-leaf node indices (ascending = topological order)."""
         return self.ancestors[leaf].nonzero().squeeze(-1)

@@ -48,21 +48,33 @@ def greedy_chain(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int
     return greedy_tree(Tree.chain(torch.cat([drafts.new_zeros(1), drafts])), target_logits)
 
 
-def speculative_sampling_chain(
-    target_logits: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, temperature: float,
+def recursive_rejection_tree(
+    tree: Tree, target_logits: torch.Tensor, child_probs: dict[int, torch.Tensor], temperature: float,
     generator: torch.Generator | None = None,
 ) -> tuple[int, int]:
-    """Speculative sampling (Leviathan et al.; Chen et al.) along a chain of drafts d_i ~ q_i.
+    """(accepted leaf node, next token): recursive rejection sampling over siblings (SpecInfer, SpecTr),
+    for trees whose children c_1, c_2, ... of a node were drawn in that order without replacement from
+    q = child_probs[node] (`weaver.builders` with a generator).
 
-    Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection emit a token from the
-    residual max(p_i - q_i, 0), normalised; if all are accepted emit a bonus token from p_T.
-    Lossless for any proposal q_i that may depend on the context and d_<i, so factorized marginals qualify.
+    At a node, with p the target's distribution: accept c_i with probability min(1, p(c_i) / q(c_i)) and
+    move to it; on rejection p <- normalised max(p - q, 0) and q <- q without c_i, renormalised (each
+    step is one speculative-sampling step of p against q, so the emitted token is distributed as p);
+    when every child is rejected, draw the token from the last p. On a chain this is standard speculative
+    sampling, the bonus token included.
     """
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)
-    u = torch.rand(len(drafts), generator=generator, device=p.device)
-    for i, d in enumerate(drafts.tolist()):
-        if u[i] * draft_probs[i, d] <= p[i, d]:
-            continue
-        residual = (p[i] - draft_probs[i]).clamp_min(0)
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
+    probs = torch.softmax(target_logits.float() / temperature, dim=-1)
+    node = 0
+    while True:
+        p, q = probs[node], child_probs.get(node)
+        for child in tree.children(node):
+            x = int(tree.tokens[child])
+            if float(torch.rand((), generator=generator)) * float(q[x]) <= float(p[x]):
+                node = child
+                break
+            residual = (p - q).clamp_min(0)
+            p = residual / residual.sum() if residual.sum() > 0 else p  # p == q: the rejection had probability 0
+            q = q.clone()
+            q[x] = 0.0
+            q = q / q.sum() if q.sum() > 0 else q
+        else:
+            return node, int(torch.multinomial(p, 1, generator=generator))

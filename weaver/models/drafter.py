@@ -14,6 +14,7 @@ The body is a Qwen3 decoder stack, so its architecture is a `TargetConfig` read 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,11 @@ def default_target_layers(num_target_layers: int, num_taps: int) -> tuple[int, .
     first, last = 1, max(1, num_target_layers - 3)
     spaced = (round(first + i * (last - first) / (num_taps - 1)) for i in range(num_taps))
     return tuple(dict.fromkeys(spaced))
+
+
+class Draft(NamedTuple):
+    logits: torch.Tensor  # (B, block_size - 1, V): marginals for positions anchor+1 .. anchor+B-1
+    hidden: torch.Tensor  # (B, block_size - 1, H): the final-normed states behind them (Weaver's prefix)
 
 
 @dataclass
@@ -72,11 +78,17 @@ class DrafterAttention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context_kv: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
+        k, v = self.keys_values(x, *rope)
+        return self.attend(x, rope, torch.cat([context_kv[0], k], dim=2), torch.cat([context_kv[1], v], dim=2), mask)
+
+    def attend(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Queries from x (B, Q, H) over given keys/values (B, H_kv, S, D), mask (B, 1, Q, S) bool."""
         B, Q, _ = x.shape
         H, D = self.cfg.num_heads, self.cfg.head_dim
         q = apply_rope(self.q_norm(self.q(x).view(B, Q, H, D)), *rope).transpose(1, 2)
-        k, v = self.keys_values(x, *rope)
-        k, v = torch.cat([context_kv[0], k], dim=2), torch.cat([context_kv[1], v], dim=2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=k.shape[1] != H)
         return self.o(o.transpose(1, 2).reshape(B, Q, H * D))
 
@@ -156,12 +168,13 @@ class Drafter(nn.Module):
             cache.values[i][:, :, cache.length : cache.length + n] = v
         cache.length += n
 
-    def draft(self, target: TargetModel, cache: DrafterCache, anchor: torch.Tensor, anchor_position: torch.Tensor) -> torch.Tensor:
-        """Logits (B, block_size - 1, V) for positions anchor+1 .. anchor+B-1 given the cached context."""
+    def draft(self, target: TargetModel, cache: DrafterCache, anchor: torch.Tensor, anchor_position: torch.Tensor) -> Draft:
+        """The block for positions anchor+1 .. anchor+B-1 given the cached context."""
         x = self.block_inputs(target, anchor)
         positions = anchor_position[:, None] + torch.arange(self.cfg.block_size, device=x.device)
         rope = self.rope(positions)
         for i, layer in enumerate(self.layers):
             context_kv = (cache.keys[i][:, :, : cache.length], cache.values[i][:, :, : cache.length])
             x = layer(x, rope, context_kv, None)
-        return target.lm_head(self.norm(x)[:, 1:])
+        hidden = self.norm(x)[:, 1:]
+        return Draft(target.lm_head(hidden), hidden)

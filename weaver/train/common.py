@@ -96,7 +96,7 @@ def _batches(dataset: Dataset, batch_size: int, collate: Callable, seed: int, ep
 def fit(
     accelerator: Accelerator,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
     dataset: Dataset,
     collate: Callable,
     loss_fn: LossFn,
@@ -106,12 +106,18 @@ def fit(
     evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
     desc: str = "train",
 ) -> dict[str, float]:
-    """Train for `train.steps` optimizer steps, resuming from the newest checkpoint in work_dir."""
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: wsd_multiplier(s, train.steps, train.warmup_steps, train.decay_fraction, train.min_lr_ratio),
-    )
-    model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
+    """Train for `train.steps` optimizer steps, resuming from the newest checkpoint in work_dir.
+
+    Several optimizers (e.g. Muon for matrices + AdamW for the rest) share one schedule shape."""
+    optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
+    schedules = [
+        torch.optim.lr_scheduler.LambdaLR(
+            o, lambda s: wsd_multiplier(s, train.steps, train.warmup_steps, train.decay_fraction, train.min_lr_ratio)
+        )
+        for o in optimizers
+    ]
+    model, *prepared = accelerator.prepare(model, *optimizers, *schedules)
+    optimizers, schedules = prepared[: len(optimizers)], prepared[len(optimizers) :]
     checkpoints = Checkpoints(Path(work_dir) / "checkpoints")
     step = 0
     if (latest := checkpoints.latest()) is not None:
@@ -133,12 +139,13 @@ def fit(
             accelerator.backward(loss)
             if train.grad_clip:
                 accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
+            for o, schedule in zip(optimizers, schedules):
+                o.step()
+                schedule.step()
+                o.zero_grad(set_to_none=True)
             step += 1
             bar.update(1)
-            metrics = {"loss": loss.item(), **logs, "lr": schedule.get_last_lr()[0]}
+            metrics = {"loss": loss.item(), **logs, "lr": schedules[0].get_last_lr()[0]}
             if step % train.log_every == 0 or step == train.steps:
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
                 accelerator.log(metrics, step=step)

@@ -53,6 +53,20 @@ def block_mask(anchors: torch.Tensor, block: int, context_len: int) -> torch.Ten
     return torch.cat([sees_ctx, sees_block], dim=-1)[:, None]
 
 
+def draft_blocks(drafter: Drafter, target: TargetModel, ids: torch.Tensor, anchors: torch.Tensor,
+                 taps: list[torch.Tensor]) -> torch.Tensor:
+    """Drafter states (N, m, B-1, H) of the blocks at `anchors` (N, m), all in one pass; position d
+    predicts the token at anchor + d. taps: the target's tapped states over ids."""
+    N, L = ids.shape
+    B = drafter.cfg.block_size
+    context = drafter.context(taps)
+    positions = (anchors[:, :, None] + torch.arange(B, device=ids.device)).flatten(1)  # (N, m*B)
+    embeds = drafter.block_inputs(target, ids.gather(1, anchors).flatten()).view(N, -1, context.shape[-1])
+    hidden = drafter(embeds, positions, context, torch.arange(L, device=ids.device).expand(N, L),
+                     block_mask(anchors, B, L))
+    return hidden.view(N, anchors.shape[1], B, -1)[:, :, 1:]
+
+
 def distillation_loss(
     drafter: Drafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
     gamma: float, kl_weight: float,
@@ -61,14 +75,8 @@ def distillation_loss(
     B = drafter.cfg.block_size
     with torch.no_grad():
         out = target(ids, tap_layers=drafter.cfg.target_layer_ids, logits_to_keep=None if kl_weight else 0)
-    context = drafter.context(out.taps)
+    logits = target.lm_head(draft_blocks(drafter, target, ids, anchors, out.taps)).float()
     offsets = torch.arange(B, device=ids.device)
-    positions = (anchors[:, :, None] + offsets).flatten(1)  # (N, m*B)
-    embeds = drafter.block_inputs(target, ids.gather(1, anchors).flatten()).view(N, -1, context.shape[-1])
-    hidden = drafter(embeds, positions, context, torch.arange(L, device=ids.device).expand(N, L),
-                     block_mask(anchors, B, L))
-    hidden = hidden.view(N, anchors.shape[1], B, -1)[:, :, 1:]  # position d predicts anchor + d
-    logits = target.lm_head(hidden).float()
     label_pos = (anchors[:, :, None] + offsets[1:]).clamp(max=L - 1)
     labels = ids[:, None, :].expand(-1, anchors.shape[1], -1).gather(2, label_pos)
     valid = (anchors[:, :, None] + offsets[1:]) < lengths[:, None, None]

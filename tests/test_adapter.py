@@ -1,0 +1,130 @@
+"""The Weaver adapter and its tree builder: incremental tree scoring equals scoring each path alone, an
+untrained adapter is the drafter's prior (its tree is DDTree's), greedy decoding with Weaver trees is
+lossless, sampling runs, and checkpoints round-trip or fail with one clear message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_tiny import VOCAB
+from weaver.builders import ddtree, weaver_tree
+from weaver.engine import speculative_generate
+from weaver.errors import WeaverError
+from weaver.generate import generate
+from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, load_adapter, save_adapter
+from weaver.models.drafter import Drafter
+from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
+from weaver.train.target import init_weights
+
+BLOCK = 6
+
+
+def make_adapter(target, pool_size: int = 16, num_layers: int = 2, trained: bool = True) -> WeaverAdapter:
+    cfg = AdapterConfig(target.cfg.hidden_size, target.cfg.vocab_size, BLOCK - 1, d_model=32, num_layers=num_layers,
+                        num_heads=2, intermediate_size=64, rank=8, pool_size=pool_size)
+    adapter = WeaverAdapter(cfg)
+    init_weights(adapter, 0.2)
+    if not trained:
+        adapter.reset_scorer()
+    return adapter.eval()
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    torch.manual_seed(1)
+    return Drafter(drafter_config(new_drafter_config(target, 1, BLOCK, 2, 2))).eval()
+
+
+def step_inputs(target, drafter, prompt: list[int]):
+    """(draft logits (D, V), drafter states (D, H), target state before the anchor (H,), anchor, cache)."""
+    cache, context = target.new_cache(1, 64), drafter.new_cache(1, 64)
+    out = target(torch.tensor([prompt]), cache, tap_layers=drafter.cfg.target_layer_ids, logits_to_keep=1)
+    drafter.extend_context(context, out.taps, torch.arange(len(prompt))[None])
+    anchor = int(out.logits[0, -1].argmax())
+    draft = drafter.draft(target, context, torch.tensor([anchor]), cache.next_position)
+    return draft.logits[0], draft.hidden[0], out.hidden[0, -1], anchor
+
+
+def path_alone_logprobs(adapter, target, logits, hidden, target_hidden, path: list[int]) -> torch.Tensor:
+    """The adapter's distribution for the children of the last node of `path`, scoring the path as a chain."""
+    D = len(path)
+    pool_logits, pool_tokens = draft_pools(logits, adapter.cfg.pool_size)
+    cache = adapter.start(adapter.prefix(target_hidden[None], hidden[None]))
+    causal = torch.ones(D, D, dtype=torch.bool).tril()[None]
+    states = adapter(adapter.node_inputs(target, torch.tensor(path))[None], torch.arange(D), cache, causal)[0, -1]
+    k = D - 1
+    scores = adapter.pool_scores(states, pool_logits[k], adapter.project_candidates(target, pool_tokens[k]))
+    return torch.zeros(logits.shape[-1]).scatter_(0, pool_tokens[k], scores.softmax(-1))
+
+
+@pytest.mark.parametrize("per_call,budget", [(1, 12), (3, 20), (8, 9)])
+@torch.inference_mode()
+def test_incremental_tree_scoring_equals_each_path_alone(target, drafter, per_call, budget):
+    torch.manual_seed(per_call)
+    adapter = make_adapter(target)
+    logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [5, 9, 3, 7])
+    proposal = weaver_tree(anchor, budget, adapter, target, logits, hidden, target_hidden, 3, per_call)
+    tree = proposal.tree
+    assert len(tree) == budget + 1 and len(proposal.child_probs) > 2
+    for node, probs in proposal.child_probs.items():
+        path = tree.tokens[tree.path_to(node)].tolist()
+        alone = path_alone_logprobs(adapter, target, logits, hidden, target_hidden, path)
+        torch.testing.assert_close(probs, alone, atol=1e-5, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_untrained_adapter_builds_the_ddtree(target, drafter):
+    """Q = 0: scores are the drafter's logits; with the whole vocabulary as the pool the tree is DDTree's."""
+    adapter = make_adapter(target, pool_size=VOCAB, trained=False)
+    logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [4, 8, 15, 16])
+    for budget in (5, 17):
+        ours = weaver_tree(anchor, budget, adapter, target, logits, hidden, target_hidden, budget, 4).tree
+        reference = ddtree(anchor, logits, budget).tree
+        assert ours.tokens.tolist() == reference.tokens.tolist()
+        assert ours.parents.tolist() == reference.parents.tolist()
+
+
+@pytest.mark.parametrize("budget,width", [(4, 8), (16, 3), (40, 8)])
+def test_greedy_is_lossless_with_weaver_trees(target, drafter, budget, width):
+    torch.manual_seed(budget)
+    adapter = make_adapter(target)
+    for n in (3, 11):
+        prompt = torch.randint(3, VOCAB, (n,)).tolist()
+        out, stats = speculative_generate(target, drafter, prompt, 32, method="weaver", budget=budget,
+                                          adapter=adapter, width=width)
+        assert out == generate(target, [prompt], 32)[0]
+
+
+def test_weaver_sampling_runs_and_is_reproducible(target, drafter):
+    adapter = make_adapter(target)
+    runs = [speculative_generate(target, drafter, [5, 6, 7], 20, temperature=1.0, method="weaver", budget=8,
+                                 adapter=adapter, generator=torch.Generator().manual_seed(4))[0] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 20
+
+
+def test_weaver_without_adapter_is_refused(target, drafter):
+    with pytest.raises(WeaverError, match="needs a trained adapter"):
+        speculative_generate(target, drafter, [5, 6], 4, method="weaver", budget=4)
+
+
+def test_checkpoint_round_trip_and_clear_failures(target, tmp_path):
+    adapter = make_adapter(target)
+    save_adapter(adapter, tmp_path / "a")
+    loaded = load_adapter(tmp_path / "a", target, BLOCK - 1)
+    for (name, x), y in zip(adapter.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(x, y), name
+    with pytest.raises(WeaverError, match="drafter drafts 7 positions"):
+        load_adapter(tmp_path / "a", target, 7)
+    with pytest.raises(WeaverError, match="no Weaver adapter"):
+        load_adapter(tmp_path / "missing", target, BLOCK - 1)
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"not a tensor file")
+    with pytest.raises(WeaverError, match="not a readable Weaver adapter"):
+        load_adapter(tmp_path / "a", target, BLOCK - 1)
+
+
+def test_adapter_for_another_target_is_refused(target, tmp_path):
+    cfg = AdapterConfig(target.cfg.hidden_size + 8, target.cfg.vocab_size, BLOCK - 1, d_model=16, num_heads=2)
+    save_adapter(WeaverAdapter(cfg), tmp_path / "b")
+    with pytest.raises(WeaverError, match="trained for hidden size"):
+        load_adapter(tmp_path / "b", target, BLOCK - 1)

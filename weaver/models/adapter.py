@@ -1,0 +1,189 @@
+"""The Weaver adapter (DESIGN.md §2.3): an autoregressive correction of the drafter's factorized marginals.
+
+Per verify step, a prefix memory: slot 0 projects the target's final-norm hidden state of the token
+before the anchor (the one whose logits chose the anchor), slots 1..D project the normed drafter states
+at block positions 1..D. Each tree node is a token embedded with the target's frozen input embedding,
+normed and projected to d_model. A small decoder stack (the drafter's layer: RoPE, qk-norm, SwiGLU) lets
+every node attend to the whole prefix memory plus its ancestors-or-self. A node at depth d scores only the
+candidates for depth d + 1, the drafter's top-M pool at block position d + 1:
+
+    score(c) = drafter logit(c) + <P lm_head[c], Q out_norm(x)>        (softmax over the pool only)
+
+so the drafter's marginal is the prior and the adapter learns the path-conditional correction without a
+full-vocabulary projection. Q starts at zero: an untrained adapter reproduces the drafter (DDTree).
+
+Positions: slot 0 at 0, slot d at d + 1, a node at depth k at k + 1 (aligned with the drafter slot that
+predicted its token).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3Config
+
+from weaver.errors import WeaverError
+from weaver.io import atomic_dir
+from weaver.models.config import from_hf
+from weaver.models.drafter import DrafterLayer
+from weaver.models.target import RMSNorm, TargetModel, rope_tables
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    target_hidden_size: int
+    vocab_size: int
+    max_depth: int  # D = drafter block_size - 1
+    d_model: int = 256
+    num_layers: int = 1
+    num_heads: int = 4
+    intermediate_size: int = 512
+    rank: int = 64  # d_rank of the low-rank candidate scorer
+    pool_size: int = 64  # M: candidates per depth, the drafter's top-M
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+
+    def body(self) -> Qwen3Config:
+        """The decoder stack as a Qwen3 config (the drafter's layer reads it)."""
+        return Qwen3Config(
+            vocab_size=self.vocab_size, hidden_size=self.d_model, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_heads, head_dim=self.d_model // self.num_heads,
+            rms_norm_eps=self.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+        )
+
+
+class AdapterCache:
+    """Keys/values of the prefix memory and of every node scored so far in this step, per layer."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values
+        self.prefix_len = keys[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+        self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+
+class WeaverAdapter(nn.Module):
+    def __init__(self, cfg: AdapterConfig):
+        super().__init__()
+        if cfg.d_model % cfg.num_heads:
+            raise WeaverError(f"adapter d_model {cfg.d_model} is not a multiple of num_heads {cfg.num_heads}")
+        self.cfg = cfg
+        body = from_hf(cfg.body())
+        H, d = cfg.target_hidden_size, cfg.d_model
+        self.target_in = nn.Linear(H, d, bias=False)  # slot 0
+        self.draft_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.draft_in = nn.Linear(H, d, bias=False)  # slots 1..D
+        self.token_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.token_in = nn.Linear(H, d, bias=False)  # nodes
+        self.layers = nn.ModuleList(DrafterLayer(body) for _ in range(cfg.num_layers))
+        self.out_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.query = nn.Linear(d, cfg.rank, bias=False)  # Q
+        self.candidate = nn.Linear(H, cfg.rank, bias=False)  # P, applied to lm_head rows
+        self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
+        self.reset_scorer()
+
+    def reset_scorer(self) -> None:
+        """Zero Q: the correction term vanishes and the adapter starts as the drafter's prior."""
+        nn.init.zeros_(self.query.weight)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(positions, self.inv_freq, 1.0, self.token_in.weight.dtype)
+
+    # --- inputs ---
+
+    def prefix(self, target_hidden: torch.Tensor, draft_hidden: torch.Tensor) -> torch.Tensor:
+        """(N, 1 + D, d_model) prefix memory from (N, H) target and (N, D, H) drafter states."""
+        slot0 = self.target_in(target_hidden)[:, None]
+        return torch.cat([slot0, self.draft_in(self.draft_norm(draft_hidden[:, : self.cfg.max_depth]))], dim=1)
+
+    def node_inputs(self, target: TargetModel, tokens: torch.Tensor) -> torch.Tensor:
+        return self.token_in(self.token_norm(target.embed(tokens)))
+
+    # --- the decoder over nodes ---
+
+    def start(self, prefix: torch.Tensor) -> AdapterCache:
+        """Project the prefix memory's keys/values once per step."""
+        rope = self.rope(torch.arange(prefix.shape[1], device=prefix.device)[None])
+        kv = [layer.attn.keys_values(prefix, *rope) for layer in self.layers]
+        return AdapterCache([k for k, _ in kv], [v for _, v in kv])
+
+    def forward(self, x: torch.Tensor, depths: torch.Tensor, cache: AdapterCache, sees: torch.Tensor) -> torch.Tensor:
+        """Out-normed states (N, T, d) of T new nodes, appended to `cache`.
+
+        depths (N, T) or (T,); sees (N or 1, T, nodes already cached + T) bool: which cached and new nodes
+        each new node attends to (its ancestors and itself); every node sees the whole prefix.
+        """
+        rope = self.rope(depths + 1 if depths.dim() == 2 else (depths + 1)[None])
+        N, T = x.shape[:2]
+        mask = torch.cat([sees.new_ones(sees.shape[0], T, cache.prefix_len), sees], dim=-1)[:, None]
+        for i, layer in enumerate(self.layers):
+            h = layer.input_norm(x)
+            k, v = cache.append(i, *layer.attn.keys_values(h, *rope))
+            x = x + layer.attn.attend(h, rope, k, v, mask)
+            x = x + layer.mlp(layer.post_norm(x))
+        return self.out_norm(x)
+
+    def pool_scores(self, states: torch.Tensor, pool_logits: torch.Tensor, pool_candidates: torch.Tensor) -> torch.Tensor:
+        """Scores (..., M) of each node's pool: drafter logit + <P lm_head[c], Q state>.
+
+        states (..., d); pool_logits (..., M) the drafter's logits of the pool; pool_candidates (..., M, r)
+        = P lm_head[pool] (`project_candidates`)."""
+        return pool_logits.float() + (pool_candidates @ self.query(states)[..., None]).squeeze(-1).float()
+
+    def project_candidates(self, target: TargetModel, tokens: torch.Tensor) -> torch.Tensor:
+        """P lm_head[tokens] (..., r): constant per step for a step's pools."""
+        return self.candidate(target.lm_head.weight[tokens])
+
+
+def draft_pools(draft_logits: torch.Tensor, pool_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, tokens), each (..., D, M): the drafter's top-M candidates per block position."""
+    return draft_logits.topk(min(pool_size, draft_logits.shape[-1]), dim=-1)
+
+
+def save_adapter(adapter: WeaverAdapter, out_dir: Path) -> None:
+    """config.json (AdapterConfig) + model.safetensors, written atomically."""
+    with atomic_dir(out_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps({"weaver_adapter": asdict(adapter.cfg)}, indent=2))
+        save_file({k: v.contiguous() for k, v in adapter.state_dict().items()}, tmp / "model.safetensors")
+
+
+def load_adapter(folder: str | Path, target: TargetModel, max_depth: int) -> WeaverAdapter:
+    """Read a saved adapter; refuse one whose sizes do not fit the target or the drafter's block."""
+    folder = Path(folder)
+    try:
+        cfg = AdapterConfig(**json.loads((folder / "config.json").read_text())["weaver_adapter"])
+        state = load_file(folder / "model.safetensors")
+    except FileNotFoundError as e:
+        raise WeaverError(f"no Weaver adapter at {folder}: {e.filename} is missing") from e
+    except (KeyError, TypeError, ValueError, OSError, SafetensorError) as e:
+        raise WeaverError(f"{folder} is not a readable Weaver adapter checkpoint ({e})") from e
+    t = target.cfg
+    if (cfg.target_hidden_size, cfg.vocab_size) != (t.hidden_size, t.vocab_size):
+        raise WeaverError(
+            f"adapter was trained for hidden size {cfg.target_hidden_size} / vocab {cfg.vocab_size}, "
+            f"the target has {t.hidden_size} / {t.vocab_size}"
+        )
+    if cfg.max_depth != max_depth:
+        raise WeaverError(f"adapter covers depth {cfg.max_depth}, the drafter drafts {max_depth} positions")
+    adapter = WeaverAdapter(cfg)
+    try:
+        adapter.load_state_dict(state)
+    except RuntimeError as e:
+        raise WeaverError(f"adapter weights in {folder} do not match its config: {str(e).splitlines()[0]}") from e
+    return adapter.eval()
+
+
+def expansion_batch(budget: int, calls: int = 16) -> int:
+    """Frontier nodes expanded per adapter call: ceil(N / 16) by default (DESIGN.md §2.4)."""
+    return max(1, math.ceil(budget / calls))

@@ -1,0 +1,132 @@
+"""`weaver` stage: train the Weaver adapter on target rollouts, drafter and target frozen (DESIGN.md §2.3).
+
+For random anchors a in each rollout, one target pass gives the prefix's slot 0 (its final-norm state at
+a - 1) and its conditionals; one drafter pass gives the blocks' states and marginals. The adapter then
+runs teacher-forced along the target's own continuation x[a], x[a+1], ... (a chain of D nodes per
+anchor), and the node at depth k is trained on the candidates for depth k + 1, the drafter's top-M pool
+at block position k + 1: its distribution over the pool should match the target's conditional
+p(. | x[<= a+k]) restricted to the pool. The loss mixes KL, total variation (what acceptance pays for)
+and, optionally, cross-entropy on the realised token. Pool coverage (how often the target's token is in
+the pool) bounds what any re-scoring of the pool can accept.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import torch
+from omegaconf import DictConfig
+
+from weaver.io import atomic_write_json
+from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, save_adapter
+from weaver.models.drafter import Drafter
+from weaver.models.target import TargetModel
+from weaver.train.common import fit, make_accelerator
+from weaver.train.drafter import draft_blocks, pad_sequences, sample_anchors
+from weaver.train.target import init_weights
+
+
+def pool_losses(log_q: torch.Tensor, teacher_logits: torch.Tensor, pool_tokens: torch.Tensor,
+                labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-node KL(p_pool || q), TV(p_pool, q), CE on the label (0 when outside the pool), and whether the
+    label is in the pool; p_pool is the target's distribution restricted to the pool and renormalised.
+
+    log_q (..., M) adapter log-probs over the pool; teacher_logits (..., V); pool_tokens (..., M); labels (...)."""
+    log_p = teacher_logits.float().log_softmax(-1).gather(-1, pool_tokens)
+    log_p_pool = log_p - log_p.logsumexp(-1, keepdim=True)
+    p_pool = log_p_pool.exp()
+    in_pool = pool_tokens == labels[..., None]
+    return {
+        "kl": (p_pool * (log_p_pool - log_q)).sum(-1),
+        "tv": 0.5 * (p_pool - log_q.exp()).abs().sum(-1),
+        "ce": -(log_q * in_pool).sum(-1),
+        "covered": in_pool.any(-1).float(),
+        "pool_mass": log_p.exp().sum(-1),
+    }
+
+
+def adapter_loss(
+    adapter: WeaverAdapter, drafter: Drafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor,
+    anchors: torch.Tensor, mix: DictConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    N, L = ids.shape
+    D = adapter.cfg.max_depth
+    with torch.no_grad():
+        out = target(ids, tap_layers=drafter.cfg.target_layer_ids)
+        draft_hidden = draft_blocks(drafter, target, ids, anchors, out.taps)[:, :, :D].flatten(0, 1)  # (A, D, H)
+        pool_logits, pool_tokens = draft_pools(target.lm_head(draft_hidden).float(), adapter.cfg.pool_size)
+    rows = torch.arange(N, device=ids.device).repeat_interleave(anchors.shape[1])[:, None]  # (A, 1)
+    a = anchors.flatten()[:, None]
+    at = (a + torch.arange(D + 1, device=ids.device)).clamp(max=L - 1)  # x[a .. a+D]
+    nodes, labels = ids[rows, at[:, :-1]], ids[rows, at[:, 1:]]  # node k holds x[a+k], its label is x[a+k+1]
+    valid = ((a + torch.arange(1, D + 1, device=ids.device)) < lengths[rows]).float()
+    cache = adapter.start(adapter.prefix(out.hidden[rows[:, 0], a[:, 0] - 1], draft_hidden))
+    causal = torch.ones(D, D, dtype=torch.bool, device=ids.device).tril()[None]
+    states = adapter(adapter.node_inputs(target, nodes), torch.arange(D, device=ids.device), cache, causal)
+    scores = adapter.pool_scores(states, pool_logits, adapter.project_candidates(target, pool_tokens))
+    terms = pool_losses(scores.log_softmax(-1), out.logits[rows, at[:, :-1]], pool_tokens, labels)
+    prior = pool_losses(pool_logits.log_softmax(-1), out.logits[rows, at[:, :-1]], pool_tokens, labels)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return (x * valid).sum() / valid.sum().clamp(min=1)
+
+    loss = mix.kl * mean(terms["kl"]) + mix.tv * mean(terms["tv"]) + mix.ce * mean(terms["ce"])
+    top1 = pool_tokens.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1) == labels
+    return loss, {
+        "tv": mean(terms["tv"]).item(), "tv_prior": mean(prior["tv"]).item(),
+        "acc": mean(top1.float()).item(), "acc_prior": mean((pool_tokens[..., 0] == labels).float()).item(),
+        "coverage": mean(terms["covered"]).item(), "pool_mass": mean(terms["pool_mass"]).item(),
+    }
+
+
+def optimizers(adapter: WeaverAdapter, train: DictConfig) -> list[torch.optim.Optimizer]:
+    """Muon for the matrices, AdamW for norms (torch's own Muon, lr matched to AdamW's update RMS)."""
+    matrices = [p for p in adapter.parameters() if p.dim() == 2]
+    others = [p for p in adapter.parameters() if p.dim() != 2]
+    muon = torch.optim.Muon(matrices, lr=train.lr, weight_decay=train.weight_decay, adjust_lr_fn="match_rms_adamw")
+    return [muon, torch.optim.AdamW(others, lr=train.lr, betas=(0.9, 0.95), weight_decay=0.0)]
+
+
+def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokenizer, rollouts_dir: Path,
+                  out_dir: Path, work_dir: Path) -> dict:
+    """Train the adapter described by cfg.weaver on the rollouts; write config.json + model.safetensors."""
+    w, train = cfg.weaver, cfg.weaver.train
+    adapter_cfg = AdapterConfig(
+        target.cfg.hidden_size, target.cfg.vocab_size, drafter.cfg.block_size - 1, w.d_model, w.num_layers,
+        w.num_heads, w.intermediate_size, w.rank, w.pool_size,
+    )
+    torch.manual_seed(cfg.seed)
+    adapter = WeaverAdapter(adapter_cfg)
+    init_weights(adapter, train.init_std)
+    adapter.reset_scorer()
+    target.requires_grad_(False)
+    drafter.requires_grad_(False)
+    rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
+    accelerator = make_accelerator(cfg, f"{cfg.experiment}-weaver", train.precision)
+    target.to(accelerator.device)
+    drafter.to(accelerator.device)
+    pad = tokenizer.pad_token_id or 0
+
+    def collate(batch: list[dict]):
+        ids, lengths, prompt_lengths = pad_sequences(batch, pad)
+        generator = torch.Generator().manual_seed(hash(tuple(r["prompt_index"] for r in batch)) % 2**62 + cfg.seed)
+        return ids, lengths, sample_anchors(lengths, prompt_lengths, train.anchors_per_seq, generator)
+
+    def loss_fn(model, batch):
+        ids, lengths, anchors = batch
+        return adapter_loss(model, drafter, target, ids, lengths, anchors, train.loss)
+
+    n_params = sum(p.numel() for p in adapter.parameters())
+    accelerator.print(f"weaver adapter: {n_params / 1e6:.2f}M parameters, pool {w.pool_size}, {len(rows)} rollouts")
+    metrics = fit(accelerator, adapter, optimizers(adapter, train), rows, collate, loss_fn, train, work_dir,
+                  cfg.seed, desc="weaver")
+    adapter = accelerator.unwrap_model(adapter).float().cpu().eval()
+    accelerator.end_training()
+    save_adapter(adapter, out_dir)
+    summary = {"params": n_params, **metrics}
+    atomic_write_json(out_dir / "train_summary.json", summary)
+    print(f"weaver: final loss {metrics['loss']:.3f}; TV to the target on the pool {metrics['tv']:.3f} "
+          f"(drafter prior {metrics['tv_prior']:.3f}); top-1 {metrics['acc']:.2f} (prior {metrics['acc_prior']:.2f}); "
+          f"pool coverage {metrics['coverage']:.2f}")
+    return summary
