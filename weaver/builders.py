@@ -179,7 +179,7 @@ def weaver_tree(
     nodes, which attend to the prefix memory and to their (already scored) ancestors.
     """
     pool_logits, pool_tokens = draft_pools(draft_logits, adapter.cfg.pool_size)
-    candidates = adapter.project_candidates(target, pool_tokens)  # (D, M, r), constant for this step
+    candidates = adapter.candidate_table(target)[pool_tokens]  # (D, M, r), constant for this step
     cache = adapter.start(adapter.prefix(target_hidden[None], draft_hidden[None]))
     slot: dict[int, int] = {}  # tree node -> its position among the adapter cache's nodes
 

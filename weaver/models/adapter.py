@@ -138,12 +138,18 @@ class WeaverAdapter(nn.Module):
         """Scores (..., M) of each node's pool: drafter logit + <P lm_head[c], Q state>.
 
         states (..., d); pool_logits (..., M) the drafter's logits of the pool; pool_candidates (..., M, r)
-        = P lm_head[pool] (`project_candidates`)."""
+        = P lm_head[pool] (rows of `candidate_table`)."""
         return pool_logits.float() + (pool_candidates @ self.query(states)[..., None]).squeeze(-1).float()
 
-    def project_candidates(self, target: TargetModel, tokens: torch.Tensor) -> torch.Tensor:
-        """P lm_head[tokens] (..., r): constant per step for a step's pools."""
-        return self.candidate(target.lm_head.weight[tokens])
+    def candidate_table(self, target: TargetModel) -> torch.Tensor:
+        """P lm_head (V, r): every candidate's projected output embedding. Both factors are frozen at
+        inference, so an adapter in eval mode computes it once and keeps it."""
+        if self.training:
+            return self.candidate(target.lm_head.weight)
+        key = (id(target), self.candidate.weight._version)
+        if getattr(self, "_table_key", None) != key:
+            self._table, self._table_key = self.candidate(target.lm_head.weight), key
+        return self._table
 
 
 def draft_pools(draft_logits: torch.Tensor, pool_size: int) -> tuple[torch.Tensor, torch.Tensor]:

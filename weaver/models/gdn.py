@@ -178,6 +178,25 @@ def commit_path(state: torch.Tensor, pending: PendingGDN, leaf: int) -> torch.Te
     return state.float() * G_leaf[..., None].exp() + (pending.k * weights[..., None]).transpose(-1, -2) @ pending.U
 
 
+def tree_causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, conv_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GDN mixer's depthwise causal conv + SiLU on a tree: x (B, T, C), weight (C, W), state (B, C, W-1)
+    (the committed last W-1 inputs), conv_index (T, W) from `Tree.conv_index`: each node's window is its
+    nearest W-1 ancestors then itself, falling back to the committed state past the root.
+
+    Returns the outputs (B, T, C) and the buffer cat(state, inputs) (B, C, W-1+T) that the commit reads.
+    """
+    buffer = torch.cat([state, x.transpose(1, 2)], dim=-1)
+    out = (buffer[..., conv_index] * weight[:, None, :]).sum(-1)  # windows (B, C, T, W)
+    return F.silu(out).transpose(1, 2), buffer
+
+
+def tree_conv_state(buffer: torch.Tensor, conv_index: torch.Tensor, leaf: int) -> torch.Tensor:
+    """Committed conv state after the path ending at `leaf`: the path's last W-1 inputs (B, C, W-1)."""
+    return buffer[..., conv_index[leaf, 1:]]
+
+
 def per_branch_tree_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, parents: torch.Tensor,

@@ -23,13 +23,10 @@ from torch import nn
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
 from weaver.models.config import TargetConfig
-from weaver.models.gdn import (
-    chunk_gated_delta_rule,
-    commit_path,
-    gated_delta_step_,
-    gdn_gates,
-    tree_gated_delta_rule,
-)
+from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
+from kernels.tree_attention import tree_attention
+from kernels.tree_conv import tree_conv1d, tree_conv_commit_
+from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_, gdn_gates
 from weaver.tree import Tree
 
 
@@ -135,9 +132,12 @@ class Attention(nn.Module):
             cache.keys[self.layer][:, :, step.start : end] = k
             cache.values[self.layer][:, :, step.start : end] = v
             k, v = cache.keys[self.layer][:, :, :end], cache.values[self.layer][:, :, :end]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=step.attn_mask, is_causal=step.is_causal, scale=D**-0.5, enable_gqa=Hkv != H
-        )
+        if step.tree is not None:  # verify: committed context (valid slots) + ancestors-or-self
+            o = tree_attention(q, k, v, step.tree, prefix_valid=cache.valid[:, : step.start], scale=D**-0.5)
+        else:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=step.attn_mask, is_causal=step.is_causal, scale=D**-0.5, enable_gqa=Hkv != H
+            )
         o = o.transpose(1, 2).reshape(B, T, H * D)
         if gate is not None:
             o = o * torch.sigmoid(gate)
@@ -163,24 +163,19 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         nn.init.kaiming_uniform_(self.conv_weight, a=5**0.5)
 
-    def conv(
-        self, mixed: torch.Tensor, state: torch.Tensor | None, tree: Tree | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def conv(self, mixed: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Depthwise causal conv + SiLU over (B, T, C), continuing from the last kernel-1 inputs `state`.
 
-        Returns the outputs and the buffer cat(state, inputs) (B, C, K-1+T); on a tree each node's
-        window runs along its ancestors (`Tree.conv_index`).
+        Returns the outputs and the buffer cat(state, inputs) (B, C, K-1+T). Trees go through
+        `kernels.tree_conv.tree_conv1d` instead.
         """
         B, T, C = mixed.shape
         K = self.conv_weight.shape[1]
         if state is None:
             state = mixed.new_zeros(B, C, K - 1)
         buffer = torch.cat([state, mixed.transpose(1, 2)], dim=-1)
-        if tree is None:  # K shifted multiply-adds: cheaper than conv1d on CPU, its backward far cheaper
-            out = sum(buffer[..., j : j + T] * self.conv_weight[:, j, None] for j in range(K))
-        else:
-            windows = buffer[..., tree.conv_index(K)]  # (B, C, T, K)
-            out = (windows * self.conv_weight[:, None, :]).sum(-1)
+        # K shifted multiply-adds: cheaper than conv1d on CPU, its backward far cheaper
+        out = sum(buffer[..., j : j + T] * self.conv_weight[:, j, None] for j in range(K))
         return F.silu(out).transpose(1, 2), buffer
 
     def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
@@ -189,18 +184,24 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
         if step.token_mask is not None:  # left padding contributes nothing to conv or state
             mixed = mixed * step.token_mask[..., None].to(mixed.dtype)
-        conv_state = cache.conv[self.layer] if cache is not None else None
-        mixed, conv_buffer = self.conv(mixed, conv_state, step.tree)
+        tree = step.tree if cache is not None else None
+        if tree is not None:  # verify: read the committed conv state and GDN state, write nothing
+            mixed, conv_pending = tree_conv1d(mixed, self.conv_weight, cache.conv[self.layer], tree)
+        else:
+            mixed, conv_buffer = self.conv(mixed, cache.conv[self.layer] if cache is not None else None)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         k = k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         v = v.reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-        if cache is None:
+        if tree is None:  # the tree kernels compute the gates from the raw projections themselves
+            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        if tree is not None:
+            o, gdn_pending = gdn_tree_verify(
+                q, k, v, a, b, self.A_log, self.dt_bias, cache.recurrent[self.layer], tree
+            )
+            step.pending[self.layer] = (gdn_pending, conv_pending)
+        elif cache is None:
             o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
-        elif step.tree is not None:  # verify: read the committed state, write nothing
-            o, pending = tree_gated_delta_rule(q, k, v, g, beta, cache.recurrent[self.layer], step.tree.ancestors)
-            step.pending[self.layer] = (pending, conv_buffer)
         elif T == 1:  # decode: update the cached state in place
             o = gated_delta_step_(q, k, v, g, beta, cache.recurrent[self.layer])
             cache.conv[self.layer].copy_(conv_buffer[..., 1:])
@@ -214,9 +215,9 @@ class GatedDeltaNet(nn.Module):
 
     def commit(self, cache: ModelCache, pending: Any, tree: Tree, leaf: int) -> None:
         """Commit the root-to-leaf path: one rank-|path| state update and the path's last conv inputs."""
-        gdn, conv_buffer = pending
-        cache.recurrent[self.layer].copy_(commit_path(cache.recurrent[self.layer], gdn, leaf))
-        cache.conv[self.layer].copy_(conv_buffer[..., tree.conv_index(self.conv_weight.shape[1])[leaf, 1:]])
+        gdn_pending, conv_pending = pending
+        gdn_tree_commit_(cache.recurrent[self.layer], gdn_pending, leaf)
+        tree_conv_commit_(cache.conv[self.layer], conv_pending, leaf)
 
 
 class MLP(nn.Module):
@@ -302,8 +303,8 @@ class TargetModel(nn.Module):
         cache.reserve(T)
         positions = cache.next_position[:, None] + tree.depth[None]
         cos, sin = self.rope(positions)
-        mask = torch.cat([cache.valid[:, None, :start].expand(1, T, start), tree.ancestors[None]], dim=-1)
-        step = Step(positions, cos, sin, start, mask[:, None], False, None, tree=tree)
+        # attention layers mask by the tree themselves (`kernels.tree_attention`): valid context + ancestors
+        step = Step(positions, cos, sin, start, None, False, None, tree=tree)
         output = self.run_layers(tree.tokens[None], step, cache, tap_layers, None)
         return output, Pending(tree, start, step.pending)
 

@@ -64,7 +64,7 @@ def adapter_loss(
     cache = adapter.start(adapter.prefix(out.hidden[rows[:, 0], a[:, 0] - 1], draft_hidden))
     causal = torch.ones(D, D, dtype=torch.bool, device=ids.device).tril()[None]
     states = adapter(adapter.node_inputs(target, nodes), torch.arange(D, device=ids.device), cache, causal)
-    scores = adapter.pool_scores(states, pool_logits, adapter.project_candidates(target, pool_tokens))
+    scores = adapter.pool_scores(states, pool_logits, adapter.candidate_table(target)[pool_tokens])
     terms = pool_losses(scores.log_softmax(-1), out.logits[rows, at[:, :-1]], pool_tokens, labels)
     prior = pool_losses(pool_logits.log_softmax(-1), out.logits[rows, at[:, :-1]], pool_tokens, labels)
 

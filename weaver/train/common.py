@@ -147,7 +147,7 @@ def fit(
             bar.update(1)
             metrics = {"loss": loss.item(), **logs, "lr": schedules[0].get_last_lr()[0]}
             if step % train.log_every == 0 or step == train.steps:
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+                bar.set_postfix({k: f"{v:.3g}" for k, v in metrics.items() if k != "lr"})
                 accelerator.log(metrics, step=step)
             if evaluate is not None and (step % train.eval_every == 0 or step == train.steps):
                 model.eval()

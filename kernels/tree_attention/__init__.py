@@ -1,0 +1,36 @@
+"""Tree attention: queries are the T tree nodes, keys the prefix then the nodes themselves; a node sees
+the valid prefix and its ancestors-or-self. Serves the target's attention layers during verification
+(prefix = the KV cache) and the adapter's indexed attention (prefix = its prefix memory)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import flatten_trees, trees_for_reference, use_triton
+from kernels.tree_attention.reference import tree_attention_ref
+from kernels.tree_mask import tree_ancestor_mask
+from weaver.tree import Tree
+
+
+def tree_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parents: torch.Tensor | Tree, *,
+    prefix_valid: torch.Tensor | None = None, mask: torch.Tensor | None = None, scale: float | None = None,
+    dot_precision: str = "ieee",
+) -> torch.Tensor:
+    """q (B, Hq, T, D); k, v (B, Hkv, P+T, D): P prefix slots then the T nodes in `parents` order
+    (node-local, -1 = child of the prefix; one tree shared by the batch), or that `Tree`. prefix_valid (B, >=P) bool marks
+    usable prefix slots (None: all). `mask`: the tree's ancestor bitmask if already built.
+    Returns (B, Hq, T, D) in q's dtype."""
+    flat_parents, cu_seqlens = flatten_trees(1, parents, None)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if use_triton(q):
+        from kernels.tree_attention.kernel import tree_attention_triton
+
+        if mask is None:
+            mask = tree_ancestor_mask(flat_parents, cu_seqlens)
+        return tree_attention_triton(q, k, v, mask, prefix_valid, scale, dot_precision)
+    ancestors = trees_for_reference(parents, flat_parents, cu_seqlens)[0].ancestors
+    return tree_attention_ref(q, k, v, ancestors, prefix_valid, scale)
+
+
+__all__ = ["tree_attention"]

@@ -1,0 +1,25 @@
+"""Ancestor bitmask of a batch of trees (the tree mask every other op reads)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import flatten_trees, use_triton
+from kernels.tree_mask.reference import tree_ancestor_mask_ref
+
+
+def tree_ancestor_mask(parents: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, ceil(max T / 32)) int32 bit-packed ancestors-or-self rows; see `tree_ancestor_mask_ref`.
+
+    `parents` (N,) are node-local (-1: child of the committed context); trees at `cu_seqlens` offsets
+    (one tree when None).
+    """
+    parents, cu_seqlens = flatten_trees(1, parents, cu_seqlens)
+    if use_triton(parents):
+        from kernels.tree_mask.kernel import tree_ancestor_mask_triton
+
+        return tree_ancestor_mask_triton(parents, cu_seqlens)
+    return tree_ancestor_mask_ref(parents, cu_seqlens)
+
+
+__all__ = ["tree_ancestor_mask", "tree_ancestor_mask_ref"]
