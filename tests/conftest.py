@@ -1,4 +1,7 @@
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 # fla's Triton kernels fail on a CPU box; transformers picks them up at import time when fla is installed.
 # Hide fla from transformers so its reference path (pure torch) is what we compare against.
@@ -27,3 +30,31 @@ def target(request, tmp_path_factory):
     torch.manual_seed(0)
     save_tiny_hf_model(request.param, folder)
     return load_target(str(folder))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, outputs: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
+    """Run train.py or eval.py with its artifacts under `outputs`, W&B off unless `env` says otherwise."""
+    env = {**os.environ, "WEAVER_OUTPUTS": str(outputs), "WANDB_MODE": "disabled", **env}
+    return subprocess.run([sys.executable, script, *overrides], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def smoke_outputs(tmp_path_factory) -> Path:
+    """The smoke pipeline (train.py +experiment=smoke, about 30 s), trained once per test session."""
+    outputs = tmp_path_factory.mktemp("outputs")
+    done = run_script("train.py", outputs, "+experiment=smoke")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return outputs
+
+
+@pytest.fixture(scope="session")
+def smoke_eval(smoke_outputs, tmp_path_factory) -> Path:
+    """An eval folder of the smoke models on three prompt sets (AR, chain, DDTree at two budgets), as notebooks read it."""
+    out_dir = tmp_path_factory.mktemp("smoke_eval")
+    done = run_script("eval.py", smoke_outputs, "+experiment=smoke", f"eval.out_dir={out_dir}",
+                      "eval.datasets=[heldout_code,humaneval,gsm_symbolic]", "eval.methods=[ar,chain,ddtree,weaver]")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out_dir

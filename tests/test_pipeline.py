@@ -26,11 +26,8 @@ def run(script: str, outputs: Path, *overrides: str) -> subprocess.CompletedProc
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory) -> Path:
-    outputs = tmp_path_factory.mktemp("outputs")
-    done = run("train.py", outputs, "+experiment=smoke")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return outputs
+def smoke(smoke_outputs) -> Path:
+    return smoke_outputs  # trained once per session (tests/conftest.py), shared with the eval and notebook tests
 
 
 def test_smoke_pipeline_writes_a_transformers_checkpoint(smoke):
@@ -54,15 +51,19 @@ def test_rerun_reuses_artifacts(smoke):
         assert f"[{stage}] up to date" in again.stdout
 
 
-def test_eval_writes_result_rows(smoke, tmp_path):
-    done = run("eval.py", smoke, "+experiment=smoke", f"eval.out_dir={tmp_path}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {r["method"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
-    assert rows["ar"]["n_tokens"] > 0 and rows["ar"]["tokens_per_s"] > 0 and rows["ar"]["tau"] == 1.0
-    chain = rows["chain"]  # the drafter trained by the smoke pipeline, verified losslessly
-    assert chain["greedy_match"] is True and chain["budget"] == 7 and chain["tau"] >= 1.0
-    assert sum(chain["accept_hist"]) > 0 and 0 < chain["draft_share"] < 1
-    assert (tmp_path / "tau_vs_budget.png").stat().st_size > 0
+def test_eval_writes_result_rows(smoke_eval):
+    rows = {(r["dataset"], r["method"], r["budget"]): r for r in map(json.loads, (smoke_eval / "results.jsonl").read_text().splitlines())}
+    assert {d for d, _, _ in rows} == {"heldout_code", "humaneval", "gsm_symbolic"}
+    ar = rows["humaneval", "ar", None]
+    assert ar["n_tokens"] > 0 and ar["tokens_per_s"] > 0 and ar["tau"] == 1.0 and ar["n_prompts"] == 2
+    chain = rows["heldout_code", "chain", 7]  # the drafter trained by the smoke pipeline, verified losslessly
+    assert chain["greedy_match"] is True and chain["tau"] >= 1.0 and chain["speedup_vs_ar"] > 0
+    assert sum(chain["accept_hist"]) > 0 and 0 < chain["draft_share"] < 1 and 0 < chain["verify_share"] < 1
+    assert all(r["greedy_match"] for r in rows.values())  # every builder and budget reproduces AR greedy
+    assert {("ddtree", 2), ("ddtree", 4)} <= {(m, b) for _, m, b in rows}
+    for name in ("tau_vs_budget.png", "speedup.png", "acceptance.png", "summary.csv", "summary.md"):
+        assert (smoke_eval / name).stat().st_size > 0
+    assert "| macro | ddtree | 4 |" in (smoke_eval / "summary.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -70,9 +71,11 @@ def test_eval_writes_result_rows(smoke, tmp_path):
     [
         ("eval.py", ["+experiment=smoke", "model.hf_config.hidden_size=48"], "no trained target"),
         ("eval.py", ["+experiment=smoke", "eval.methods=[nope]"], "unknown method/dataset ['nope']"),
+        ("eval.py", ["+experiment=smoke", "eval.datasets=[humaneval,nope]"], "unknown method/dataset ['nope']"),
         ("train.py", ["+experiment=smoke", "stages=[nope]"], "unknown stage(s) ['nope']"),
         ("train.py", ["+experiment=smoke", "model.hf_config.hidden_size=abc"], "invalid model.hf_config"),
-        ("eval.py", ["+experiment=smoke", "model=qwen3_8b", "model.path=/no/such/folder"], "checkpoint folder not found"),
+        ("eval.py", ["+experiment=smoke", "model=qwen3_8b", "model.path=/no/such/folder", "eval.datasets=[humaneval]"],
+         "checkpoint folder not found"),
     ],
 )
 def test_bad_input_is_one_clear_line(smoke, script, overrides, message):

@@ -11,8 +11,8 @@ takes. The builders differ in the child distributions:
 - chain: the drafter's per-depth marginals, one child per node (DFlash).
 - ddtree: the same marginals, up to `width` children per node: path score = sum of log-marginals.
 - weaver: the adapter's conditional distribution given the path (`weaver.models.adapter`).
-- oracle: the target's own conditionals (running the target on each expanded node's path): not
-  deployable, it is the τ ceiling for a budget.
+- oracle: the target's own conditionals (verifying the tree grown so far): not deployable, it is
+  the τ ceiling for a budget.
 
 Greedy decoding takes each node's children in order of probability (k-best search). Sampling draws them
 without replacement from the node's distribution; a slot's priority then uses the mass still undrawn,
@@ -153,18 +153,18 @@ def ddtree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torc
 
 
 def oracle_tree(anchor: int, budget: int, max_depth: int, target, cache, generator: torch.Generator | None = None,
-                temperature: float = 1.0) -> Proposal:
-    """Best-first over the target's own conditionals: each expanded node's children are scored by
-    running the target on that node's path (a verify pass, so the committed cache is untouched)."""
+                temperature: float = 1.0, nodes_per_call: int = 1) -> Proposal:
+    """Best-first over the target's own conditionals: each call verifies the tree grown so far in one
+    target pass (the committed cache is untouched) and reads the new nodes' next-token distributions."""
     device = target.embed.weight.device
 
     def logprobs(nodes: list[int], grown: Grown) -> torch.Tensor:
-        paths = [torch.tensor(grown.paths[n], device=device) for n in nodes]
-        rows = [target.verify(Tree.chain(path), cache)[0].logits[0, -1] for path in paths]
-        return (torch.stack(rows).float() / temperature).log_softmax(-1)
+        tree = Tree(torch.tensor(grown.tokens, device=device), torch.tensor(grown.parents, device=device))
+        logits = target.verify(tree, cache)[0].logits[0, nodes]
+        return (logits.float() / temperature).log_softmax(-1)
 
     return best_first_tree(anchor, budget, max_depth, logprobs, min(budget, target.cfg.vocab_size),
-                           generator=generator)
+                           nodes_per_call, generator)
 
 
 def weaver_tree(

@@ -70,20 +70,21 @@ def propose(
     temperature: float = 1.0,
 ) -> Proposal:
     """The draft tree of one step (see `weaver.builders`); drawn without replacement when a generator is
-    given, else greedy. width / nodes_per_call: the Weaver search's children per node and nodes per call."""
+    given, else greedy. width: the Weaver search's children per node; nodes_per_call: nodes the Weaver
+    and oracle searches expand per adapter / target call (default ceil(budget / 16))."""
     logits = step.draft.logits[0]
     if method == "chain":
         return chain_tree(step.anchor, logits, budget, generator, temperature)
     if method == "ddtree":
         return ddtree(step.anchor, logits, budget, generator, temperature)
+    per_call = nodes_per_call or expansion_batch(budget)
     if method == "weaver":
         if adapter is None:
             raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
-        per_call = nodes_per_call or expansion_batch(budget)
         return weaver_tree(step.anchor, budget, adapter, target, logits, step.draft.hidden[0], step.target_hidden,
                            width, per_call, generator, temperature)
     if method == "oracle":
-        return oracle_tree(step.anchor, budget, len(logits), target, step.cache, generator, temperature)
+        return oracle_tree(step.anchor, budget, len(logits), target, step.cache, generator, temperature, per_call)
     raise WeaverError(f"unknown tree method '{method}'; available: {', '.join(TREE_METHODS)}")
 
 

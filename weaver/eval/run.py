@@ -1,46 +1,82 @@
-"""`eval.py`: decode prompt sets with each method and write one result row per (dataset, method).
+"""`eval.py`: decode prompt sets with each method at each budget; one result row per (dataset, method, budget).
 
-Row schema (results.jsonl): experiment, dataset, method, budget, temperature, tau, tokens_per_s,
-speedup_vs_ar, n_prompts, n_tokens, greedy_match. tau = committed tokens / target forward passes
-(1 for autoregressive decoding).
+Row fields (results.jsonl): experiment, dataset, method, budget, temperature, tau, tokens_per_s,
+speedup_vs_ar, n_prompts, n_tokens, greedy_match, prompt_tokens, max_new_tokens, and for speculative
+methods draft_share, verify_share (shares of decoding time) and accept_hist (verify steps by number of
+accepted draft tokens). tau = committed tokens / target forward passes (1 for autoregressive decoding).
+
+One process loads the models once and runs every dataset x method x budget of its config (so budgets
+share the model load and compilation); a Hydra multirun (`python eval.py -m eval.temperature=0,1`) runs one
+process per combination, all appending to the same results.jsonl. After each run, summary.csv,
+summary.md and the figures are rebuilt from every row in the file (`weaver.eval.results`).
 """
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import datasets
 import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from weaver.engine import TREE_METHODS, SpecStats, speculative_generate
+from weaver.data.prompts import encode_prompts, load_prompt_set
+from weaver.engine import SpecStats, speculative_generate
 from weaver.errors import WeaverError
-from weaver.eval.plots import tau_vs_budget
+from weaver.eval.plots import write_figures
+from weaver.eval.results import append_rows, markdown_table, summarize, write_summary
+from weaver.eval.tracking import log_eval_run, wandb_enabled
 from weaver.generate import generate
-from weaver.io import atomic_write_text
-from weaver.pipeline import artifact_dir, load_drafter_for, load_target_and_tokenizer
+from weaver.io import writable_dir
+from weaver.pipeline import load_adapter_for, load_drafter_for, load_target_and_tokenizer
+
+Models = dict[str, Any]  # "target", plus whatever the selected methods need ("drafter", ...)
 
 
-def heldout_code_prompts(cfg: DictConfig, n: int, prompt_tokens: int) -> list[list[int]]:
-    """Openings of held-out rows of the target's own corpus (files never seen in pretraining)."""
-    if cfg.model.source != "scratch":
-        raise WeaverError("dataset 'heldout_code' needs a target trained here (model.source=scratch)")
-    rows = datasets.load_from_disk(str(artifact_dir(cfg, "corpus") / "dataset"))["validation"]
-    if len(rows) < n:
-        raise WeaverError(f"heldout_code has {len(rows)} rows, fewer than eval.n_prompts={n}")
-    return [row[:prompt_tokens] for row in rows[:n]["input_ids"]]
+@dataclass(frozen=True)
+class Method:
+    needs: tuple[str, ...]  # models besides the target (keys of MODEL_LOADERS); the drafter comes first
+    budgets: Callable[[DictConfig, Models], list[int | None]]  # the budgets one run measures
 
 
-PROMPT_SETS = {"heldout_code": heldout_code_prompts}
+def _eval_budgets(cfg: DictConfig, models: Models) -> list[int | None]:
+    return list(cfg.eval.budgets)
 
 
-def decode_all(prompts: list[list[int]], decode) -> tuple[list[list[int]], list, float]:
+METHODS: dict[str, Method] = {
+    "ar": Method((), lambda cfg, models: [None]),
+    "chain": Method(("drafter",), lambda cfg, models: [models["drafter"].cfg.block_size - 1]),
+    "ddtree": Method(("drafter",), _eval_budgets),
+    "weaver": Method(("drafter", "adapter"), _eval_budgets),
+    "oracle": Method(("drafter",), _eval_budgets),
+}
+
+# How each extra model is loaded, in order (a later loader may use the models loaded before it). Models
+# a method needs beyond the drafter reach `speculative_generate` as keyword arguments of the same name.
+MODEL_LOADERS: dict[str, Callable[[DictConfig, Models], Any]] = {
+    "drafter": lambda cfg, models: load_drafter_for(cfg, models["target"]),
+    "adapter": lambda cfg, models: load_adapter_for(cfg, models["target"], models["drafter"]),
+}
+
+
+def load_models(cfg: DictConfig) -> tuple[Models, Any]:
+    """The target, the extra models the selected methods need, and the tokenizer."""
+    target, tokenizer = load_target_and_tokenizer(cfg)
+    models: Models = {"target": target}
+    needed = {name for method in cfg.eval.methods for name in METHODS[method].needs}
+    for name, load in MODEL_LOADERS.items():
+        if name in needed:
+            models[name] = load(cfg, models)
+    return models, tokenizer
+
+
+def decode_all(prompts: list[list[int]], decode, desc: str) -> tuple[list[list[int]], list, float]:
     """Run `decode(prompt) -> (tokens, stats)` on every prompt; (outputs, stats, seconds spent decoding)."""
     outputs, stats, seconds = [], [], 0.0
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc=desc, leave=False):
         start = time.perf_counter()
         tokens, info = decode(prompt)
         seconds += time.perf_counter() - start
@@ -49,24 +85,29 @@ def decode_all(prompts: list[list[int]], decode) -> tuple[list[list[int]], list,
     return outputs, stats, seconds
 
 
-def run_ar(model, prompts: list[list[int]], cfg: DictConfig, eos: int | None) -> dict:
+def run_ar(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed)
     e = cfg.eval
     outputs, _, seconds = decode_all(
-        prompts, lambda p: (generate(model, [p], e.max_new_tokens, e.temperature, eos, generator, e.compile)[0], None)
+        prompts, lambda p: (generate(models["target"], [p], e.max_new_tokens, e.temperature, eos, generator, e.compile)[0], None),
+        "ar",
     )
     n_tokens = sum(map(len, outputs))
     return {"tau": 1.0, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs}
 
 
-def run_speculative(
-    model, prompts: list[list[int]], cfg: DictConfig, eos: int | None, drafter, method: str, budget: int
-) -> dict:
+def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, method: str, budget: int) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed)
     e = cfg.eval
+    target, drafter = models["target"], models["drafter"]
+    extra = {name: models[name] for name in METHODS[method].needs if name != "drafter"}
+    search = cfg.weaver.search
+    options = dict(sampling=e.sampling, width=search.children, nodes_per_call=search.nodes_per_call, **extra)
     outputs, stats, seconds = decode_all(
         prompts,
-        lambda p: speculative_generate(model, drafter, p, e.max_new_tokens, e.temperature, eos, generator, method, budget),
+        lambda p: speculative_generate(target, drafter, p, e.max_new_tokens, e.temperature, eos, generator, method,
+                                       budget, **options),
+        f"{method}@{budget}",
     )
     total = SpecStats([a for s in stats for a in s.accepted], sum(s.draft_s for s in stats), sum(s.verify_s for s in stats))
     n_tokens = sum(map(len, outputs))
@@ -78,69 +119,75 @@ def run_speculative(
     }
 
 
-def runs(cfg: DictConfig, drafter) -> list[tuple[str, int | None]]:
-    """(method, budget) pairs: AR once, chain at block_size - 1, tree methods at every eval budget."""
-    out = []
-    for method in cfg.eval.methods:
-        if method == "ar":
-            out.append((method, None))
-        elif method == "chain":
-            out.append((method, drafter.cfg.block_size - 1))
-        else:
-            out += [(method, b) for b in cfg.eval.budgets]
-    return out
+def warm_up(models: Models, cfg: DictConfig, token: int) -> None:
+    """A short decode of each kind outside the timed loops: first calls pay for allocation and compilation."""
+    if "ar" in cfg.eval.methods:
+        generate(models["target"], [[token] * 4], 4, compiled=cfg.eval.compile)
+    if "drafter" in models:
+        speculative_generate(models["target"], models["drafter"], [token] * 4, 4)
+    if "adapter" in models:
+        speculative_generate(models["target"], models["drafter"], [token] * 4, 4, method="weaver", budget=4,
+                             adapter=models["adapter"])
 
 
-METHODS = ("ar",) + TREE_METHODS
+def check_names(cfg: DictConfig) -> None:
+    """Refuse unknown methods and datasets before anything slow happens."""
+    unknown = [m for m in cfg.eval.methods if m not in METHODS] + [d for d in cfg.eval.datasets if d not in cfg.prompt_sets]
+    if unknown:
+        raise WeaverError(f"unknown method/dataset {unknown}; methods: {list(METHODS)}, datasets: {list(cfg.prompt_sets)}")
+
+
+def result_row(cfg: DictConfig, dataset: str, method: str, budget: int | None, r: dict, ar: dict | None, n_prompts: int) -> dict:
+    e = cfg.eval
+    return {
+        "experiment": cfg.experiment, "dataset": dataset, "method": method, "budget": budget,
+        "temperature": e.temperature, "sampling": e.sampling if e.temperature > 0 else None, "tau": r["tau"], "tokens_per_s": r["tokens_per_s"],
+        "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"] if ar else None,
+        "n_prompts": n_prompts, "n_tokens": r["n_tokens"],
+        "greedy_match": r["outputs"] == ar["outputs"] if ar and e.temperature == 0 else None,
+        "prompt_tokens": e.prompt_tokens, "max_new_tokens": e.max_new_tokens,
+        **{k: r[k] for k in ("draft_share", "verify_share", "accept_hist") if k in r},
+    }
+
+
+def evaluate_dataset(cfg: DictConfig, dataset: str, prompts: list[list[int]], models: Models, eos: int | None, bar: tqdm) -> list[dict]:
+    """Every (method, budget) of the config on one prompt set; AR first, as the others' baseline."""
+    results = {}
+    for method in sorted(cfg.eval.methods, key=lambda m: m != "ar"):
+        for budget in METHODS[method].budgets(cfg, models):
+            bar.set_postfix_str(f"{dataset} {method}" + (f"@{budget}" if budget is not None else ""))
+            results[method, budget] = (
+                run_ar(models, prompts, cfg, eos) if method == "ar" else run_speculative(models, prompts, cfg, eos, method, budget)
+            )
+            bar.update(1)
+    ar = results.get(("ar", None))
+    return [result_row(cfg, dataset, method, budget, r, ar, len(prompts)) for (method, budget), r in results.items()]
 
 
 def evaluate(cfg: DictConfig) -> list[dict]:
-    unknown = [m for m in cfg.eval.methods if m not in METHODS] + [d for d in cfg.eval.datasets if d not in PROMPT_SETS]
-    if unknown:
-        raise WeaverError(f"unknown method/dataset {unknown}; methods: {list(METHODS)}, datasets: {list(PROMPT_SETS)}")
-    out_dir = Path(cfg.eval.out_dir or Path(cfg.paths.root) / cfg.experiment / "eval")
-    model, tokenizer = load_target_and_tokenizer(cfg)
-    drafter = load_drafter_for(cfg, model) if set(cfg.eval.methods) - {"ar"} else None
-    if cfg.eval.compile:  # compile (and warm up) outside the timed loops
-        generate(model, [[tokenizer.eos_token_id or 0] * 4], 4, compiled=True)
-    rows = []
-    for dataset in cfg.eval.datasets:
-        prompts = PROMPT_SETS[dataset](cfg, cfg.eval.n_prompts, cfg.eval.prompt_tokens)
-        results = {}
-        for method, budget in tqdm(runs(cfg, drafter), desc=f"eval {dataset}"):
-            eos = tokenizer.eos_token_id
-            results[method, budget] = (
-                run_ar(model, prompts, cfg, eos) if method == "ar"
-                else run_speculative(model, prompts, cfg, eos, drafter, method, budget)
-            )
-        ar = results.get(("ar", None))
-        for (method, budget), r in results.items():
-            rows.append({
-                "experiment": cfg.experiment, "dataset": dataset, "method": method, "budget": budget,
-                "temperature": cfg.eval.temperature, "tau": r["tau"], "tokens_per_s": r["tokens_per_s"],
-                "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"] if ar else None,
-                "n_prompts": len(prompts), "n_tokens": r["n_tokens"],
-                "greedy_match": r["outputs"] == ar["outputs"] if ar and cfg.eval.temperature == 0 else None,
-                **{k: r[k] for k in ("draft_share", "verify_share", "accept_hist") if k in r},
-            })
-    append_results(out_dir / "results.jsonl", rows)
-    print(summary_table(rows))
-    print(f"results: {out_dir / 'results.jsonl'}")
-    if any(r["budget"] is not None for r in rows):
-        print(f"figure: {tau_vs_budget(rows, out_dir / 'tau_vs_budget.png', f'{cfg.experiment}: τ vs budget')}")
+    """Measure cfg.eval's datasets x methods x budgets; append the rows, rebuild summaries and figures, log to W&B."""
+    check_names(cfg)
+    out_dir = writable_dir(Path(cfg.eval.out_dir or Path(cfg.paths.root) / cfg.experiment / "eval"))
+    prompt_sets = {name: load_prompt_set(cfg, name) for name in cfg.eval.datasets}  # hub errors before the model load
+    models, tokenizer = load_models(cfg)
+    warm_up(models, cfg, tokenizer.eos_token_id or 0)
+    e = cfg.eval
+    n_runs = len(e.datasets) * sum(len(METHODS[m].budgets(cfg, models)) for m in e.methods)
+    rows, all_rows = [], []
+    with tqdm(total=n_runs, desc="eval") as bar:
+        for name, rows_of_set in prompt_sets.items():
+            prompts = encode_prompts(rows_of_set, tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts)
+            dataset_rows = evaluate_dataset(cfg, name, prompts, models, tokenizer.eos_token_id, bar)
+            all_rows = append_rows(out_dir / "results.jsonl", dataset_rows)  # per dataset: a crash keeps what is done
+            rows += dataset_rows
+    summary = write_summary(out_dir, all_rows)
+    figures = write_figures([r for r in summary if r["experiment"] == cfg.experiment], out_dir, cfg.experiment)
+    run_summary = summarize(rows)
+    print(markdown_table(run_summary))
+    print(f"results: {out_dir / 'results.jsonl'} (all runs: {out_dir / 'summary.md'}, {out_dir / 'summary.csv'})")
+    for path in figures:
+        print(f"figure: {path}")
+    if wandb_enabled(cfg):
+        run_dir = log_eval_run(cfg, run_summary, figures)
+        print(f"W&B run: {run_dir}" + (f" (upload: wandb sync {run_dir})" if cfg.wandb.mode == "offline" else ""))
     return rows
-
-
-def append_results(path: Path, rows: list[dict]) -> None:
-    """Append rows to a JSONL file atomically (rewrite to a temporary file, then rename)."""
-    old = path.read_text() if path.exists() else ""
-    atomic_write_text(path, old + "".join(json.dumps(r) + "\n" for r in rows))
-
-
-def summary_table(rows: list[dict]) -> str:
-    lines = ["| dataset | method | budget | tau | tokens/s | speedup vs AR | greedy match |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] is not None else "-"
-        lines.append(f"| {r['dataset']} | {r['method']} | {r['budget'] or '-'} | {r['tau']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {speedup} | {r['greedy_match']} |")
-    return "\n".join(lines)

@@ -91,6 +91,7 @@ class WeaverAdapter(nn.Module):
         self.query = nn.Linear(d, cfg.rank, bias=False)  # Q
         self.candidate = nn.Linear(H, cfg.rank, bias=False)  # P, applied to lm_head rows
         self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
+        self._table: tuple[TargetModel, torch.Tensor] | None = None  # (target, P lm_head), eval mode only
         self.reset_scorer()
 
     def reset_scorer(self) -> None:
@@ -143,13 +144,17 @@ class WeaverAdapter(nn.Module):
 
     def candidate_table(self, target: TargetModel) -> torch.Tensor:
         """P lm_head (V, r): every candidate's projected output embedding. Both factors are frozen at
-        inference, so an adapter in eval mode computes it once and keeps it."""
+        inference, so an adapter in eval mode computes it once per target and keeps it (`train()` and
+        `eval()` drop it)."""
         if self.training:
             return self.candidate(target.lm_head.weight)
-        key = (id(target), self.candidate.weight._version)
-        if getattr(self, "_table_key", None) != key:
-            self._table, self._table_key = self.candidate(target.lm_head.weight), key
-        return self._table
+        if self._table is None or self._table[0] is not target:
+            self._table = (target, self.candidate(target.lm_head.weight))
+        return self._table[1]
+
+    def train(self, mode: bool = True) -> "WeaverAdapter":
+        self._table = None
+        return super().train(mode)
 
 
 def draft_pools(draft_logits: torch.Tensor, pool_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, sav
 from weaver.models.drafter import Drafter
 from weaver.models.target import TargetModel
 from weaver.train.common import fit, make_accelerator
-from weaver.train.drafter import draft_blocks, pad_sequences, sample_anchors
+from weaver.train.drafter import anchored_batches, draft_blocks
 from weaver.train.target import init_weights
 
 
@@ -106,12 +106,7 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
     accelerator = make_accelerator(cfg, f"{cfg.experiment}-weaver", train.precision)
     target.to(accelerator.device)
     drafter.to(accelerator.device)
-    pad = tokenizer.pad_token_id or 0
-
-    def collate(batch: list[dict]):
-        ids, lengths, prompt_lengths = pad_sequences(batch, pad)
-        generator = torch.Generator().manual_seed(hash(tuple(r["prompt_index"] for r in batch)) % 2**62 + cfg.seed)
-        return ids, lengths, sample_anchors(lengths, prompt_lengths, train.anchors_per_seq, generator)
+    collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed)
 
     def loss_fn(model, batch):
         ids, lengths, anchors = batch

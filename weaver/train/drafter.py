@@ -9,6 +9,7 @@ divergence to the target's own next-token distribution.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -41,6 +42,18 @@ def sample_anchors(lengths: torch.Tensor, prompt_lengths: torch.Tensor, per_seq:
     span = (lengths - 1 - low).clamp(min=1)
     u = torch.rand(len(lengths), per_seq, generator=generator)
     return low[:, None] + (u * span[:, None]).long()
+
+
+def anchored_batches(pad_id: int, anchors_per_seq: int, seed: int) -> Callable[[list[dict]], tuple]:
+    """Collate rollout rows into (ids, lengths, anchors). Anchors depend on the batch's rows only, so a
+    resumed run draws the same ones."""
+
+    def collate(batch: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids, lengths, prompt_lengths = pad_sequences(batch, pad_id)
+        generator = torch.Generator().manual_seed(hash(tuple(r["prompt_index"] for r in batch)) % 2**62 + seed)
+        return ids, lengths, sample_anchors(lengths, prompt_lengths, anchors_per_seq, generator)
+
+    return collate
 
 
 def block_mask(anchors: torch.Tensor, block: int, context_len: int) -> torch.Tensor:
@@ -109,13 +122,7 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
     rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
     accelerator = make_accelerator(cfg, f"{cfg.experiment}-drafter", train.precision)
     target.to(accelerator.device)
-    pad = tokenizer.pad_token_id or 0
-
-    def collate(batch: list[dict]):
-        ids, lengths, prompt_lengths = pad_sequences(batch, pad)
-        # anchors depend on the batch's rows only, so a resumed run draws the same ones
-        generator = torch.Generator().manual_seed(hash(tuple(r["prompt_index"] for r in batch)) % 2**62 + cfg.seed)
-        return ids, lengths, sample_anchors(lengths, prompt_lengths, train.anchors_per_seq, generator)
+    collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed)
 
     def loss_fn(model, batch):
         ids, lengths, anchors = batch
