@@ -213,7 +213,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.to(x.dtype).reshape(B, T, self.value_dim))
 
 
-    def commit(self, cache: ModelCache, pending: Any, tree: Tree, leaf: int) -> None:
+    def commit(self, cache: ModelCache, pending: Any, leaf: int) -> None:
         """Commit the root-to-leaf path: one rank-|path| state update and the path's last conv inputs."""
         gdn_pending, conv_pending = pending
         gdn_tree_commit_(cache.recurrent[self.layer], gdn_pending, leaf)
@@ -315,7 +315,7 @@ class TargetModel(nn.Module):
         for layer in self.layers:
             mixer = layer.mixer
             if isinstance(mixer, GatedDeltaNet):
-                mixer.commit(cache, pending.layers[mixer.layer], pending.tree, leaf)
+                mixer.commit(cache, pending.layers[mixer.layer], leaf)
             else:  # move the path's keys/values to consecutive slots (a no-op for a chain prefix)
                 for kv in (cache.keys[mixer.layer], cache.values[mixer.layer]):
                     kv[:, :, start : start + n] = kv[:, :, start + path]
