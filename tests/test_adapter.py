@@ -1,11 +1,16 @@
 """The Weaver adapter and its tree builder: incremental tree scoring equals scoring each path alone, an
 untrained adapter is the drafter's prior (its tree is DDTree's), greedy decoding with Weaver trees is
-lossless, sampling runs, and checkpoints round-trip or fail with one clear message."""
+lossless, sampling through the whole engine reproduces the target's distribution (chi-square test of the
+first two emitted tokens, with a broken rule as the control), and checkpoints round-trip or fail with one
+clear message."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from scipy.stats import chi2
+
+import weaver.engine
 
 from hf_tiny import VOCAB
 from weaver.builders import ddtree, weaver_tree
@@ -128,3 +133,68 @@ def test_adapter_for_another_target_is_refused(target, tmp_path):
     save_adapter(WeaverAdapter(cfg), tmp_path / "b")
     with pytest.raises(WeaverError, match="trained for hidden size"):
         load_adapter(tmp_path / "b", target, BLOCK - 1)
+
+
+# --- sampling through the whole engine ------------------------------------------------------------
+# The first emitted token comes from the prefill, the second from the first verified tree, so their joint
+# law tests the builder's draws, the acceptance rule and the bonus token together. A low temperature makes
+# the random models' distributions peaked, so drafts are both accepted and rejected often.
+
+PROMPT = [5, 9, 3, 7]
+TEMPERATURE = 0.1  # peaked enough for a spread of likely pairs, drafts accepted about a third of the time
+TRIALS = 1000
+ALPHA = 1e-3
+
+
+def first_two_tokens(target, drafter, adapter, sampling: str, trials: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    out = [speculative_generate(target, drafter, PROMPT, 2, temperature=TEMPERATURE, generator=gen, method="weaver",
+                                budget=6, adapter=adapter, sampling=sampling, width=3)[0] for _ in range(trials)]
+    return torch.tensor(out)
+
+
+@torch.inference_mode()
+def target_joint(target) -> torch.Tensor:
+    """(V, V) exact p(x1 | prompt) p(x2 | prompt, x1) at TEMPERATURE."""
+    first = target(torch.tensor([PROMPT])).logits[0, -1]
+    ids = torch.cat([torch.tensor(PROMPT).expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
+    second = target(ids).logits[:, -1]
+    p1 = torch.softmax(first.double() / TEMPERATURE, -1)
+    return p1[:, None] * torch.softmax(second.double() / TEMPERATURE, -1)
+
+
+def chi_square_pvalue(samples: torch.Tensor, joint: torch.Tensor) -> float:
+    """Pearson test of (x1, x2) counts; cells expecting fewer than 5 draws are pooled into one."""
+    counts = torch.bincount(samples[:, 0] * VOCAB + samples[:, 1], minlength=VOCAB * VOCAB).double()
+    expected = joint.flatten() * len(samples)
+    small = expected < 5
+    counts = torch.cat([counts[~small], counts[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    assert len(expected) > 5, "the test needs a spread of likely token pairs"
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    return float(chi2.sf(stat, len(expected) - 1))
+
+
+def accept_every_draft(tree, logits, child_probs, temperature, generator):
+    """Broken on purpose: follow the first child to a leaf, then sample the bonus from the target."""
+    leaf = 0
+    while tree.children(leaf):
+        leaf = tree.children(leaf)[0]
+    bonus = torch.multinomial(torch.softmax(logits[leaf].float() / temperature, -1), 1, generator=generator)
+    return leaf, int(bonus)
+
+
+@pytest.mark.parametrize("sampling", ["rrs", "target_only"])
+def test_weaver_sampling_reproduces_the_target_distribution(target, drafter, sampling):
+    torch.manual_seed(3)
+    adapter = make_adapter(target, pool_size=VOCAB)
+    samples = first_two_tokens(target, drafter, adapter, sampling, TRIALS)
+    assert chi_square_pvalue(samples, target_joint(target)) > ALPHA
+
+
+def test_an_accept_everything_rule_fails_the_same_test(target, drafter, monkeypatch):
+    torch.manual_seed(3)
+    adapter = make_adapter(target, pool_size=VOCAB)
+    monkeypatch.setattr(weaver.engine, "recursive_rejection_tree", accept_every_draft)
+    samples = first_two_tokens(target, drafter, adapter, "rrs", TRIALS // 2)
+    assert chi_square_pvalue(samples, target_joint(target)) < 1e-6

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from conftest import run_script
 from test_pipeline import ROOT
 
 
@@ -14,3 +15,12 @@ def test_gdn_tree_verify_benchmark_runs():
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 4 ") or line.startswith("| 9 ")]
     assert len(rows) == 2
+
+
+def test_speculative_decoding_benchmark_runs(smoke_outputs):
+    done = run_script("benchmarks/spec_decode.py", smoke_outputs, "+experiment=smoke", "--runs", "chain:3", "weaver:4",
+                      "--repeats", "2", "eval.datasets=[heldout_code]", "eval.n_prompts=1", "eval.max_new_tokens=8",
+                      "eval.compile=false")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["run", "ar", "chain:3", "weaver:4"]

@@ -22,6 +22,7 @@ value: the condition recursive rejection sampling (`weaver.verify.recursive_reje
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Callable
@@ -44,60 +45,79 @@ class Grown:
     paths: list[list[int]]  # root-to-node tokens
 
 
-# child_logprobs(nodes, tree so far) -> (len(nodes), V) log-probs of each node's children
-ChildLogProbs = Callable[[list[int], Grown], torch.Tensor]
+# child_logprobs(nodes, tree so far) -> the children's log-probs of each node: a (len(nodes), V) tensor
+# over the vocabulary, or (logprobs, tokens), each (len(nodes), K), over a support of K tokens per row
+ChildLogProbs = Callable[[list[int], Grown], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
 @dataclass
 class Proposal:
     tree: Tree
-    child_probs: dict[int, torch.Tensor]  # expanded node -> (V,) distribution its children were taken from
+    supports: dict[int, tuple[torch.Tensor, torch.Tensor | None]]  # expanded node -> (log-probs, tokens or None)
+    vocab_size: int
+
+    @functools.cached_property
+    def child_probs(self) -> dict[int, torch.Tensor]:
+        """Expanded node -> (V,) distribution its children were taken from (what acceptance reads)."""
+        return {node: _on_vocab(logprobs, tokens, self.vocab_size) for node, (logprobs, tokens) in self.supports.items()}
+
+
+def _on_vocab(logprobs: torch.Tensor, tokens: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    probs = logprobs.float().exp()
+    return probs if tokens is None else probs.new_zeros(vocab_size).scatter_(0, tokens, probs)
 
 
 class _Children:
-    """The children of one expanded node: in order of probability, or drawn without replacement."""
+    """The children of one expanded node: in order of probability (given as lists), or drawn without
+    replacement from the node's distribution over its support."""
 
-    def __init__(self, logprobs: torch.Tensor, width: int, generator: torch.Generator | None):
-        self.probs = logprobs.float().exp()
-        self.width, self.generator, self.count = width, generator, 0
-        if generator is None:
-            self.values, self.order = logprobs.float().topk(min(width, logprobs.shape[-1]))
+    def __init__(self, width: int, best: tuple[list[float], list[int]] | None = None,
+                 support: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                 generator: torch.Generator | None = None):
+        self.width, self.count, self.generator = width, 0, generator
+        if best is not None:
+            self.values, self.tokens = best
         else:
-            self.undrawn = self.probs.clone()
+            logprobs, self.support = support
+            self.logprobs = logprobs.float()
+            self.undrawn = self.logprobs.exp()
 
     def next_log_mass(self) -> float | None:
         """Log of the mass the next child takes (greedy: its probability; sampled: the undrawn mass)."""
         if self.count >= self.width:
             return None
         if self.generator is None:
-            return float(self.values[self.count]) if self.count < len(self.values) else None
+            return self.values[self.count] if self.count < len(self.values) else None
         mass = float(self.undrawn.sum())
         return math.log(mass) if mass > 1e-12 else None
 
     def take(self) -> tuple[int, float]:
         """(token, log-prob) of the next child."""
         if self.generator is None:
-            token, logprob = int(self.order[self.count]), float(self.values[self.count])
+            token, logprob = self.tokens[self.count], self.values[self.count]
         else:
-            token = int(torch.multinomial(self.undrawn, 1, generator=self.generator))
-            logprob = math.log(float(self.probs[token]))
-            self.undrawn[token] = 0.0
+            index = int(torch.multinomial(self.undrawn, 1, generator=self.generator))
+            token = index if self.support is None else int(self.support[index])
+            logprob = float(self.logprobs[index])
+            self.undrawn[index] = 0.0
         self.count += 1
         return token, logprob
 
 
 def best_first_tree(
     anchor: int, budget: int, max_depth: int, child_logprobs: ChildLogProbs, width: int,
-    nodes_per_call: int = 1, generator: torch.Generator | None = None,
+    nodes_per_call: int = 1, generator: torch.Generator | None = None, vocab_size: int | None = None,
 ) -> Proposal:
     """Best-first search over slots (see the module doc): pop up to `nodes_per_call` best slots, add their
     children to the tree, then expand the new nodes with one `child_logprobs` call.
 
     generator None: greedy (k-best) order; otherwise children are drawn without replacement.
+    vocab_size: needed when `child_logprobs` returns supports rather than vocabulary rows.
     """
     grown = Grown([anchor], [-1], [0], [[anchor]])
     tokens, parents, depths, paths, scores = grown.tokens, grown.parents, grown.depths, grown.paths, [0.0]
     children: dict[int, _Children] = {}
+    supports: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     heap: list[tuple[float, int, int]] = []  # (-priority, tie-break, node whose next child this slot is)
 
     def push_slot(node: int) -> None:
@@ -106,12 +126,22 @@ def best_first_tree(
             heapq.heappush(heap, (-(scores[node] + log_mass), len(tokens), node))
 
     def expand(nodes: list[int]) -> None:
+        nonlocal vocab_size
         nodes = [n for n in nodes if depths[n] < max_depth]
-        if nodes:
-            logprobs = child_logprobs(nodes, grown).detach().cpu()
-            for n, row in zip(nodes, logprobs):
-                children[n] = _Children(row, width, generator)
-                push_slot(n)
+        if not nodes:
+            return
+        out = child_logprobs(nodes, grown)
+        logprobs, support = (out, None) if isinstance(out, torch.Tensor) else out
+        logprobs = logprobs.detach().float().cpu()
+        support = None if support is None else support.cpu()
+        vocab_size = vocab_size or logprobs.shape[-1]
+        if generator is None:  # one top-k for the whole batch, read back as Python lists
+            values, index = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
+            best = zip(values.tolist(), (index if support is None else support.gather(1, index)).tolist())
+        for j, n in enumerate(nodes):
+            supports[n] = (logprobs[j], None if support is None else support[j])
+            children[n] = _Children(width, next(best)) if generator is None else _Children(width, None, supports[n], generator)
+            push_slot(n)
 
     expand([0])
     while heap and len(tokens) <= budget:
@@ -129,7 +159,7 @@ def best_first_tree(
         if len(tokens) <= budget:
             expand(new)
     tree = Tree(torch.tensor(tokens), torch.tensor(parents))
-    return Proposal(tree, {n: c.probs for n, c in children.items()})
+    return Proposal(tree, supports, vocab_size or 0)
 
 
 def marginal_logprobs(draft_logits: torch.Tensor, temperature: float = 1.0) -> ChildLogProbs:
@@ -181,26 +211,26 @@ def weaver_tree(
     pool_logits, pool_tokens = draft_pools(draft_logits, adapter.cfg.pool_size)
     candidates = adapter.candidate_table(target)[pool_tokens]  # (D, M, r), constant for this step
     cache = adapter.start(adapter.prefix(target_hidden[None], draft_hidden[None]))
-    slot: dict[int, int] = {}  # tree node -> its position among the adapter cache's nodes
+    path_slots: dict[int, list[int]] = {}  # tree node -> adapter-cache positions of its ancestors-or-self
+    device = candidates.device
 
-    def logprobs(nodes: list[int], grown: Grown) -> torch.Tensor:
-        sees = torch.zeros(1, len(nodes), len(slot) + len(nodes), dtype=torch.bool, device=candidates.device)
+    def logprobs(nodes: list[int], grown: Grown) -> tuple[torch.Tensor, torch.Tensor]:
+        cached, rows, cols = len(path_slots), [], []
         for j, node in enumerate(nodes):
-            ancestor = grown.parents[node]
-            while ancestor >= 0:
-                sees[0, j, slot[ancestor]] = True
-                ancestor = grown.parents[ancestor]
-            slot[node] = sees.shape[-1] - len(nodes) + j
-            sees[0, j, slot[node]] = True
-        tokens = torch.tensor([grown.tokens[n] for n in nodes], device=candidates.device)
-        depths = torch.tensor([grown.depths[n] for n in nodes], device=candidates.device)
+            parent = grown.parents[node]
+            path_slots[node] = path_slots.get(parent, []) + [cached + j]
+            rows += [j] * len(path_slots[node])
+            cols += path_slots[node]
+        sees = torch.zeros(1, len(nodes), cached + len(nodes), dtype=torch.bool, device=device)
+        sees[0, rows, cols] = True
+        tokens = torch.tensor([grown.tokens[n] for n in nodes], device=device)
+        depths = torch.tensor([grown.depths[n] for n in nodes], device=device)
         states = adapter(adapter.node_inputs(target, tokens)[None], depths, cache, sees)[0]
         scores = adapter.pool_scores(states, pool_logits[depths], candidates[depths]) / temperature
-        out = torch.full((len(nodes), draft_logits.shape[-1]), float("-inf"), device=scores.device)
-        return out.scatter_(1, pool_tokens[depths], scores.log_softmax(-1))
+        return scores.log_softmax(-1), pool_tokens[depths]
 
     return best_first_tree(anchor, budget, len(draft_logits), logprobs, min(width, adapter.cfg.pool_size),
-                           nodes_per_call, generator)
+                           nodes_per_call, generator, vocab_size=draft_logits.shape[-1])
 
 
 def check_budget(budget: int) -> None:
