@@ -54,7 +54,7 @@ ChildLogProbs = Callable[[list[int], Grown], "torch.Tensor | tuple[torch.Tensor,
 class Proposal:
     tree: Tree
     supports: dict[int, tuple[torch.Tensor, torch.Tensor | None]]  # expanded node -> (log-probs, tokens or None)
-    vocab_size: int
+    vocab_size: int | None  # needed only for supports given as tokens
 
     @functools.cached_property
     def child_probs(self) -> dict[int, torch.Tensor]:
@@ -62,7 +62,7 @@ class Proposal:
         return {node: _on_vocab(logprobs, tokens, self.vocab_size) for node, (logprobs, tokens) in self.supports.items()}
 
 
-def _on_vocab(logprobs: torch.Tensor, tokens: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+def _on_vocab(logprobs: torch.Tensor, tokens: torch.Tensor | None, vocab_size: int | None) -> torch.Tensor:
     probs = logprobs.float().exp()
     return probs if tokens is None else probs.new_zeros(vocab_size).scatter_(0, tokens, probs)
 
@@ -126,15 +126,15 @@ def best_first_tree(
             heapq.heappush(heap, (-(scores[node] + log_mass), len(tokens), node))
 
     def expand(nodes: list[int]) -> None:
-        nonlocal vocab_size
         nodes = [n for n in nodes if depths[n] < max_depth]
         if not nodes:
             return
         out = child_logprobs(nodes, grown)
         logprobs, support = (out, None) if isinstance(out, torch.Tensor) else out
         logprobs = logprobs.detach().float().cpu()
+        if support is not None and vocab_size is None:
+            raise WeaverError("best_first_tree needs vocab_size when child_logprobs returns token supports")
         support = None if support is None else support.cpu()
-        vocab_size = vocab_size or logprobs.shape[-1]
         if generator is None:  # one top-k for the whole batch, read back as Python lists
             values, index = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
             best = zip(values.tolist(), (index if support is None else support.gather(1, index)).tolist())
@@ -159,7 +159,7 @@ def best_first_tree(
         if len(tokens) <= budget:
             expand(new)
     tree = Tree(torch.tensor(tokens), torch.tensor(parents))
-    return Proposal(tree, supports, vocab_size or 0)
+    return Proposal(tree, supports, vocab_size)
 
 
 def marginal_logprobs(draft_logits: torch.Tensor, temperature: float = 1.0) -> ChildLogProbs:
