@@ -2,14 +2,18 @@
 
     python benchmarks/gdn_tree_kernels.py                 # Qwen3.6-27B GDN: H=16, HV=48, K=V=128, T 16..128,
                                                           # batch 1 and 8, bf16 and fp32 (CUDA machine)
+    python benchmarks/gdn_tree_kernels.py --keys correlated   # real-checkpoint-like keys: the numerics check
     TRITON_INTERPRET=1 python benchmarks/gdn_tree_kernels.py --smoke   # CPU, interpreter, toy size (CI)
 
 Fused: `kernels.gdn_tree.gdn_tree_verify` (gates, q/k norm, path decay, ancestor-masked solve and outputs
-in one kernel; the tree's ancestor bitmask is built once per step for all layers, so it is excluded).
+in one kernel; the tree's ancestor bitmask is built, and the tree checked, once per step for all layers,
+so both are excluded).
 Per-branch: one recurrence step per node from its parent's state, keeping a state per node: fla's
 `fused_recurrent_gated_delta_rule` chained node by node when fla is importable, else our torch reference
 (`per_branch_tree_gated_delta_rule`); its gates come from `gdn_gates` (included in its time). Trees are
-random (parent uniform among earlier nodes or the context), shared by the batch rows. Times are medians
+random (parent uniform among earlier nodes or the context), shared by the batch rows. Keys are random, or
+with `--keys correlated` one shared direction plus 0.1 noise with beta ~ 0.993 (where an unstable
+triangular solve in the autotuned config would show in the last column). Times are medians
 (`triton.testing.do_bench` on CUDA, wall clock on CPU); every row also checks the fused outputs against
 the per-branch ones. The paper's fused/per-branch ratios (B200, batch 1): 1.5x, 2.7x, 4.6x, 7.1x at
 T = 16, 32, 64, 128.
@@ -28,6 +32,7 @@ import torch
 from kernels.gdn_tree import gdn_tree_verify
 from kernels.tree_mask import tree_ancestor_mask
 from weaver.models.gdn import gdn_gates, per_branch_tree_gated_delta_rule
+from weaver.tree import Tree
 
 PAPER_RATIO = {16: 1.5, 32: 2.7, 64: 4.6, 128: 7.1}
 
@@ -72,6 +77,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--dot-precision", default="ieee", choices=["ieee", "tf32", "tf32x3"])
+    parser.add_argument("--keys", default="random", choices=["random", "correlated"])
     parser.add_argument("--smoke", action="store_true", help="toy size on CPU under TRITON_INTERPRET=1")
     args = parser.parse_args()
     if args.smoke:
@@ -88,7 +94,7 @@ def main() -> None:
         baseline = "torch per-branch reference"
     H, HV, D = args.heads, args.value_heads, args.dim
     print(f"GDN tree verify, one layer, H={H}, HV={HV}, K=V={D}, {device}, per-branch = {baseline}, "
-          f"dot precision {args.dot_precision}; GPU times are medians (ms)")
+          f"dot precision {args.dot_precision}, {args.keys} keys; GPU times are medians (ms)")
     print("| T | batch | dtype | fused ms | per-branch ms | ratio | paper ratio | max abs diff |")
     print("|---|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
@@ -100,14 +106,17 @@ def main() -> None:
                 q, k = (torch.randn(B, T, H, D, generator=gen) for _ in range(2))
                 v = torch.randn(B, T, HV, D, generator=gen)
                 a, b = torch.randn(B, T, HV, generator=gen), torch.randn(B, T, HV, generator=gen)
+                if args.keys == "correlated":  # after the short conv and SiLU: near-identical keys, beta near 1
+                    k, b = torch.randn(1, 1, H, D, generator=gen) + 0.1 * k, b + 5
                 A_log, dt_bias = torch.rand(HV, generator=gen).log(), torch.rand(HV, generator=gen)
                 state = torch.randn(B, HV, D, D, generator=gen) * 0.1
                 q, k, v, a, b = (x.to(device, dtype) for x in (q, k, v, a, b))
                 A_log, dt_bias, state, parents = (x.to(device) for x in (A_log, dt_bias, state, parents))
                 mask = tree_ancestor_mask(parents)
+                tree = Tree(torch.zeros_like(parents), parents)  # as the engine passes it: checked once per step
 
                 def fused():
-                    return gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state, parents, mask=mask,
+                    return gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state, tree, mask=mask,
                                            dot_precision=args.dot_precision)[0]
 
                 def per_branch():

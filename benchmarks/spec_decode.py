@@ -20,7 +20,7 @@ import sys
 from hydra import compose, initialize_config_dir
 from tqdm.auto import tqdm
 
-from weaver.data.prompts import encode_prompts, load_prompt_set
+from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
 from weaver.eval.run import load_models, run_ar, run_speculative, warm_up
 from weaver.pipeline import ROOT_CONF
 
@@ -46,7 +46,8 @@ def main() -> None:
     eos = tokenizer.eos_token_id
     warm_up(models, cfg, eos or 0)
     prompts = [p for name in e.datasets
-               for p in encode_prompts(load_prompt_set(cfg, name), tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts)]
+               for p in encode_prompts(load_prompt_set(cfg, name), tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts,
+                                      template_kwargs(cfg))]
 
     speed: dict[str, list[float]] = {label: [] for label in ["ar", *runs]}
     tau: dict[str, float] = {"ar": 1.0}

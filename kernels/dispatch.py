@@ -4,11 +4,16 @@
 the Triton interpreter, TRITON_INTERPRET=1 set before the first kernel is imported) or torch. Triton
 modules are imported lazily, on first use, so CPU runs never need Triton and the interpreter flag,
 which Triton reads when `@triton.jit` runs, is honoured whenever it is set before that first use.
+
+Every op's tree inputs go through `flatten_trees`, which checks them (`check_trees`) before either backend
+runs, and every commit checks its leaves (`check_leaves`): bad trees raise `TreeInputError` (a
+`ValueError`) on the host instead of hanging or reading out of bounds in a kernel.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -47,23 +52,78 @@ def autotune_configs(configs: list) -> list:
     return configs[:1] if interpreting() else configs
 
 
+class TreeInputError(ValueError):
+    """Trees the ops cannot walk, refused on the host before any launch (a cyclic parent pointer would
+    hang a kernel, a forward or outside one would read garbage)."""
+
+
+# `Tree`s whose parents passed `check_trees` (a Tree is immutable): the engine hands one Tree per verify
+# step to every layer's ops, which then skip the device-to-host copy of its parents.
+_CHECKED_TREES: weakref.WeakSet[Tree] = weakref.WeakSet()
+
+
 def flatten_trees(
-    batch: int, parents: torch.Tensor | Tree, cu_seqlens: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every op's batch-of-trees form: node-local parent pointers (N,) int32 and tree offsets (n+1,) int32.
+    batch: int, length: int, parents: torch.Tensor | Tree, cu_seqlens: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Every op's batch-of-trees form, checked by `check_trees`: node-local parent pointers (N,) int32, tree
+    offsets (n+1,) int32 and each tree's node count (host, so launches need no device read).
 
     Without `cu_seqlens`, `parents` (T,) (or a `Tree`) is one tree shared by all `batch` rows of
     (batch, T, ...) inputs; with it, inputs are (1, N, ...) and tree n holds nodes cu_seqlens[n]:cu_seqlens[n+1].
+    `length` is the inputs' node count (T, or N with `cu_seqlens`).
     """
-    if isinstance(parents, Tree):
-        parents = parents.parents
+    tree = parents if isinstance(parents, Tree) else None
+    if tree is not None:
+        parents = tree.parents
+    if cu_seqlens is not None and batch != 1:
+        raise TreeInputError("invalid tree input: with cu_seqlens (a batch of trees) the inputs must have batch size 1")
+    offsets = [0, parents.numel()] if cu_seqlens is None else cu_seqlens.tolist()  # a shared tree: once
+    if not (cu_seqlens is None and tree in _CHECKED_TREES and parents.numel() == length):
+        check_trees(parents, offsets, length)
+        if cu_seqlens is None and tree is not None:
+            _CHECKED_TREES.add(tree)
+    lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
     if cu_seqlens is None:
-        T = parents.shape[-1]
-        cu_seqlens = torch.arange(0, (batch + 1) * T, T, device=parents.device)
-        parents = parents.repeat(batch)
-    elif batch != 1:
-        raise WeaverError("with cu_seqlens (a batch of trees) the inputs must have batch size 1")
-    return parents.to(torch.int32).contiguous(), cu_seqlens.to(torch.int32).contiguous()
+        cu_seqlens = torch.arange(0, (batch + 1) * lengths[0], lengths[0], device=parents.device)
+        parents, lengths = parents.repeat(batch), lengths * batch
+    return parents.to(torch.int32).contiguous(), cu_seqlens.to(torch.int32).contiguous(), lengths
+
+
+def check_trees(parents: torch.Tensor, offsets: list[int], length: int) -> None:
+    """Refuse trees unless `offsets` split the `length` nodes into non-empty trees and, within each tree,
+    -1 <= parents[i] < i (topological order, -1 = child of the committed context): then every parent walk
+    ends at a root after at most i steps, inside the tree.
+
+    O(N) vector ops on the host after one device-to-host copy of `parents` (N ints), which waits for the
+    GPU when they live there (once per `Tree`, see `_CHECKED_TREES`).
+    """
+    if parents.dim() != 1:
+        raise TreeInputError(f"invalid tree input: parents must be 1-d, got shape {tuple(parents.shape)}")
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != length or parents.numel() != length:
+        raise TreeInputError(f"invalid tree input: {parents.numel()} parents and tree offsets {offsets} "
+                             f"for inputs of {length} nodes")
+    lengths = torch.tensor(offsets).diff()
+    if bool((lengths <= 0).any()):
+        raise TreeInputError(f"invalid tree input: every tree needs at least one node (offsets {offsets})")
+    starts = torch.tensor(offsets[:-1]).repeat_interleave(lengths)
+    local = torch.arange(length) - starts
+    host = parents.cpu().long()
+    bad = ((host < -1) | (host >= local)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise TreeInputError(f"invalid tree input: node {int(local[i])} of the tree at offset {int(starts[i])} has "
+                             f"parent {int(host[i])}; need -1 <= parent < node (topological order)")
+
+
+def check_leaves(leaf: int | list[int] | torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Each tree's accepted leaf (node-local) as (n_trees,) int32, refused unless there is one per tree and
+    0 <= leaf < that tree's node count (a commit would otherwise read out of bounds or write nothing)."""
+    leaves = torch.as_tensor(leaf, dtype=torch.int32).reshape(-1)
+    host = leaves.tolist()
+    if len(host) != len(lengths) or not all(0 <= node < n for node, n in zip(host, lengths)):
+        raise TreeInputError(f"invalid tree input: leaves {host} for trees of {lengths} nodes "
+                             "(one per tree, 0 <= leaf < its node count)")
+    return leaves
 
 
 def trees_for_reference(

@@ -1,12 +1,25 @@
 #!/usr/bin/env bash
-# One-step set-up on a fresh machine; quick when everything is already installed.
+# One-step set-up on a fresh machine; quick (a few seconds) when everything is already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-# A CPU box gets the CPU build of torch (a plain `pip install torch` may pull a multi-GB CUDA build).
-# On a GPU box, install the torch you want before running this script.
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+
+# torch, only if none is importable (a torch you installed yourself is kept).
+# - GPU machine (nvidia-smi works): pip's own index, whose Linux wheels are CUDA builds.
+# - CPU machine: PyTorch's CPU-only wheel index first (a few hundred MB instead of several GB of CUDA
+#   libraries); where that index cannot be reached, whatever pip's configured indexes offer.
+# The last line says which build was installed.
 if ! $PY -c "import torch" 2>/dev/null; then
-  $PY -m pip install -q "torch==2.13.0"
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+    $PY -m pip install -q "torch==$TORCH_VERSION"
+  else
+    $PY -m pip install -q --retries 0 --timeout 20 --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION" 2>/dev/null \
+      || { echo "install.sh: $TORCH_CPU_INDEX not reachable; installing torch from pip's configured indexes"
+           $PY -m pip install -q "torch==$TORCH_VERSION"; }
+  fi
+  $PY -c "import torch; print(f'install.sh: torch {torch.__version__}', 'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU-only build')"
 fi
 # Triton for the kernel tests (interpreter on CPU): the version they were checked with, unless one is there.
 if ! $PY -c "import triton" 2>/dev/null; then

@@ -24,3 +24,17 @@ def test_speculative_decoding_benchmark_runs(smoke_outputs):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows == ["run", "ar", "chain:3", "weaver:4"]
+
+
+def test_train_precision_benchmark_runs():
+    done = subprocess.run([sys.executable, "benchmarks/train_precision.py", "--settings", "fp32", "--repeats", "1"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| fp32 | " in done.stdout and "cpu capability" in done.stdout
+
+
+def test_inference_dtype_benchmark_runs(smoke_outputs):
+    done = run_script("benchmarks/inference_dtype.py", smoke_outputs, "+experiment=smoke", "--new-tokens", "4",
+                      "--repeats", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")][1:] == ["fp32", "bf16"]

@@ -10,6 +10,7 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
+from weaver.errors import WeaverError
 from weaver.data import corpus
 from weaver.data.corpus import (
     build_corpus,
@@ -71,7 +72,7 @@ def test_max_bytes_caps_a_deterministic_prefix(small_docs):
 
 
 def test_unknown_source_lists_valid_names():
-    with pytest.raises(ValueError, match="python_stdlib") as err:
+    with pytest.raises(WeaverError, match="python_stdlib") as err:
         collect_documents(["wikipedia"])
     assert "python_docs" in str(err.value)
 
@@ -151,7 +152,7 @@ def test_tokenizer_save_load_round_trip(tokenizer, tmp_path):
 
 
 def test_tokenizer_rejects_vocab_below_byte_alphabet():
-    with pytest.raises(ValueError, match="at least"):
+    with pytest.raises(WeaverError, match="at least"):
         train_tokenizer(["abc"], 100)
 
 

@@ -1,4 +1,4 @@
-"""The factorized block drafter (DESIGN.md §2.2) and z-lab's DFlash checkpoint format.
+"""The factorized block drafter (docs/method.md §2.2) and z-lab's DFlash checkpoint format.
 
 A from-scratch reference of the DFlash draft forward (written from raw checkpoint tensors, the way
 z-lab's `DFlashDraftModel` computes it: context and block keys/values through the same k/v projections,

@@ -25,3 +25,40 @@ def test_unreachable_hub_dataset_is_one_clear_line(smoke_outputs, tmp_path):
                       HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("error: hub dataset openai/gsm8k (split test) cannot be loaded")
+
+
+# Inference-time settings the README shows for eval.py; none may change a trained artifact's key.
+EVAL_OVERRIDES = [
+    "weaver.search.children=4", "weaver.search.nodes_per_call=2", "eval.budgets=[8,16]", "eval.methods=[weaver]",
+    "eval.temperature=1", "eval.sampling=target_only", "model.dtype=bfloat16", "model.dtype=float32",
+    "eval.datasets=[humaneval]", "eval.n_prompts=2", "eval.compile=false", "device=cpu",
+]
+
+
+def _artifact_keys(config_name: str, *overrides: str) -> dict[str, str]:
+    from hydra import compose, initialize_config_dir
+
+    from weaver.pipeline import ROOT_CONF, STAGES, stage_key
+
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        cfg = compose(config_name, overrides=["+experiment=tiny", *overrides])
+    return {name: stage_key(cfg, name) for name in STAGES}
+
+
+def test_eval_time_settings_never_change_artifact_keys():
+    trained = _artifact_keys("train")
+    assert _artifact_keys("eval") == trained
+    for override in EVAL_OVERRIDES:
+        assert _artifact_keys("eval", override) == trained, override
+    # and what training reads does change them (the check can fail)
+    assert _artifact_keys("eval", "weaver.pool_size=32")["weaver"] != trained["weaver"]
+    assert _artifact_keys("eval", "model.train.steps=10")["target"] != trained["target"]
+
+
+def test_eval_overrides_run_on_trained_artifacts_without_training(smoke_outputs, tmp_path):
+    done = run_script("eval.py", smoke_outputs, "+experiment=smoke", f"eval.out_dir={tmp_path}", "eval.methods=[weaver]",
+                      "weaver.search.children=4", "weaver.search.nodes_per_call=2", "model.dtype=float32",
+                      "eval.budgets=[3]", "eval.datasets=[heldout_code]", "eval.n_prompts=1", "eval.max_new_tokens=8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "building" not in done.stdout
+    assert [json.loads(line)["method"] for line in (tmp_path / "results.jsonl").read_text().splitlines()] == ["weaver"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import pytest
 import torch
 
@@ -9,8 +12,9 @@ from weaver.models.gdn import (
     chunk_gated_delta_rule,
     gated_delta_step_,
     gdn_gates,
-    invert_unit_lower,
     recurrent_gated_delta_rule,
+    solve_unit_lower,
+    torch_chunk_gated_delta_rule,
 )
 
 
@@ -30,12 +34,24 @@ def test_chunked_equals_recurrent(trial):
     H = int(torch.randint(1, 3, (1,), generator=gen))
     HV = H * int(torch.randint(1, 3, (1,), generator=gen))
     T = int(torch.randint(1, 150, (1,), generator=gen))
-    chunk = [16, 32, 64][trial % 3]
+    chunk, scale = [16, 32, 64][trial % 3], [None, 0.5][trial % 2]
     q, k, v, g, beta, S0 = random_inputs(2, T, H, HV, 8, 12, gen)
-    o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, S0)
-    o, s = chunk_gated_delta_rule(q, k, v, g, beta, S0, chunk_size=chunk)
+    o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, S0, scale)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, S0, chunk_size=chunk, scale=scale)
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_prefill_never_reaches_fla(monkeypatch):
+    """CPU tensors take the torch chunked form even with kernels forced on; fla is never imported."""
+    monkeypatch.setenv("WEAVER_KERNELS", "triton")
+    monkeypatch.setitem(sys.modules, "fla", None)  # any import of fla fails (and would warn)
+    q, k, v, g, beta, S0 = random_inputs(1, 20, 1, 2, 8, 4, torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o, s = chunk_gated_delta_rule(q, k, v, g, beta, S0)
+    o_ref, s_ref = torch_chunk_gated_delta_rule(q, k, v, g, beta, S0)
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
 
 
 @pytest.mark.parametrize("groups", [1, 3])
@@ -50,6 +66,13 @@ def test_decode_step_equals_recurrent(groups):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 16, 17, 64, 100])
-def test_unit_lower_inverse(n):
+def test_solve_unit_lower(n):
     X = (0.3 * torch.randn(4, n, n, dtype=torch.float64)).tril(-1)
-    torch.testing.assert_close(invert_unit_lower(X), torch.linalg.inv(torch.eye(n, dtype=torch.float64) + X))
+    R = torch.randn(4, n, 5, dtype=torch.float64)
+    torch.testing.assert_close(solve_unit_lower(X, R), torch.linalg.solve(torch.eye(n, dtype=torch.float64) + X, R))
+
+
+def test_solve_unit_lower_is_differentiable():
+    X = (0.3 * torch.randn(2, 20, 20, dtype=torch.float64)).tril(-1).requires_grad_()
+    R = torch.randn(2, 20, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda X, R: solve_unit_lower(X.tril(-1), R), (X, R))

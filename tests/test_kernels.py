@@ -2,9 +2,11 @@
 
 Every kernel sees random trees and the degenerate ones (single node, chain of 128, star of 128), in
 batches of trees at offsets with shuffled state-pool slots, grouped value heads and both state layouts;
-a wrong parent pointer must show up as a mismatch. Inputs are fp32: the interpreter runs bf16
-arithmetic through numpy and its results are not a reliable reference, so bf16 is left to the GPU
-benchmark. The engine test runs greedy speculative decoding with the kernels forced on.
+a wrong parent pointer must show up as a mismatch, and bad trees (cyclic, forward, outside or below -1
+parent pointers, empty trees, mismatched lengths, out-of-range leaves) must be refused by both backends.
+Inputs are fp32: the interpreter runs bf16 arithmetic through numpy and its results are not a reliable
+reference, so bf16 is left to the GPU benchmark. The engine test runs greedy speculative decoding with
+the kernels forced on. Adversarial GDN numerics: tests/test_gdn_numerics.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read by @triton.jit when the kernel modules load (lazily)
 
+import contextlib  # noqa: E402
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -20,7 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.dispatch import use_triton  # noqa: E402
+from kernels.dispatch import TreeInputError, use_triton  # noqa: E402
 from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify  # noqa: E402
 from kernels.tree_attention import tree_attention  # noqa: E402
 from kernels.tree_conv import tree_conv1d, tree_conv_commit_  # noqa: E402
@@ -265,6 +269,106 @@ def test_tree_attention_wrong_parent_is_caught(triton_on):
     with pytest.raises(AssertionError, match="not close"):
         check_attention(torch.arange(-1, 19), 5, 1, 1, 1, 16, torch.Generator().manual_seed(32),
                         wrong=wrong_parent(torch.arange(-1, 19)))
+
+
+# ---------------------------------------------------------------- bad tree inputs
+
+
+@contextlib.contextmanager
+def no_hang(seconds: float = 20.0):
+    """Turn a hang (a kernel walking a cyclic parent pointer forever) into a failure."""
+
+    def expire(*_):
+        raise TimeoutError(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def tree_ops(parents: torch.Tensor, cu_seqlens: torch.Tensor | None = None, T: int | None = None) -> dict:
+    """Every API that takes a tree, as a thunk on inputs of T nodes (default: as many as `parents`);
+    tree attention only for a single tree (it takes no cu_seqlens)."""
+    T = len(parents) if T is None else T
+    gen = torch.Generator().manual_seed(50)
+    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(T, 1, 1, 16, 16, 4, gen)
+    x, weight, conv_state = torch.randn(1, T, 8, generator=gen), torch.randn(8, 4, generator=gen), torch.zeros(4, 8, 3)
+    ops = {
+        "mask": lambda: tree_ancestor_mask(parents, cu_seqlens),
+        "gdn": lambda: gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, pool, parents, cu_seqlens=cu_seqlens),
+        "conv": lambda: tree_conv1d(x, weight, conv_state, parents, cu_seqlens=cu_seqlens),
+    }
+    if cu_seqlens is None:
+        qa, ka = torch.randn(1, 1, T, 16, generator=gen), torch.randn(1, 1, 2 + T, 16, generator=gen)
+        ops["attention"] = lambda: tree_attention(qa, ka, ka, parents)
+    return ops
+
+
+def assert_refused(ops: dict) -> None:
+    for name, op in ops.items():
+        with no_hang():
+            try:
+                op()
+            except TreeInputError as refused:
+                assert "invalid tree input" in str(refused), name
+            else:
+                pytest.fail(f"{name}: a bad tree was accepted")
+
+
+BAD_PARENTS = {
+    "self_cycle": [-1, 0, 1, 3, 3],  # parent[3] = 3: a walk up from node 3 never ends
+    "forward_cycle": [-1, 2, 1],  # 1 -> 2 -> 1
+    "forward_pointer": [-1, 2, -1],  # no cycle, but not in topological order
+    "outside_tree": [-1, 0, 7],
+    "below_minus_one": [-1, -2, 1],
+}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("case", BAD_PARENTS)
+def test_bad_parents_are_refused(monkeypatch, backend, case):
+    monkeypatch.setenv("WEAVER_KERNELS", backend)
+    bad = torch.tensor(BAD_PARENTS[case])
+    assert_refused(tree_ops(bad))
+    assert_refused(tree_ops(*batch_of_trees([torch.arange(-1, 4), bad])))  # the bad tree second in a batch
+    if case == "below_minus_one":  # the one a `Tree` itself accepts
+        ops = tree_ops(Tree(torch.zeros_like(bad), bad))
+        assert_refused({name: ops[name] for name in ("gdn", "conv", "attention")})
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_empty_and_mismatched_trees_are_refused(monkeypatch, backend):
+    monkeypatch.setenv("WEAVER_KERNELS", backend)
+    assert_refused(tree_ops(torch.zeros(0, dtype=torch.long)))
+    assert_refused(tree_ops(torch.tensor([-1, 0, 1, -1]), torch.tensor([0, 2, 2, 4])))  # tree 1 is empty
+    assert_refused(tree_ops(torch.tensor([-1, 0, -1, 0]), torch.tensor([0, 2, 3])))  # offsets cover 3 of 4 nodes
+    for parents in (torch.arange(-1, 4), Tree(torch.zeros(5, dtype=torch.long), torch.arange(-1, 4))):
+        tree_ops(parents)["gdn"]()  # a Tree is checked once, then trusted: its length is still compared
+        ops = tree_ops(parents, T=4)  # 5 parents for inputs of 4 nodes
+        assert_refused({name: ops[name] for name in ("gdn", "conv", "attention")})
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_commit_leaf_out_of_range_is_refused(monkeypatch, backend):
+    monkeypatch.setenv("WEAVER_KERNELS", backend)
+    parents, cu = batch_of_trees([torch.arange(-1, 4), torch.tensor([-1, 0, 0])])  # 5 and 3 nodes
+    gen = torch.Generator().manual_seed(51)
+    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(8, 1, 1, 16, 16, 2, gen)
+    _, gdn_pending = gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, pool, parents, cu_seqlens=cu)
+    conv_state = torch.zeros(2, 8, 3)
+    _, conv_pending = tree_conv1d(torch.randn(1, 8, 8, generator=gen), torch.randn(8, 4, generator=gen), conv_state,
+                                  parents, cu_seqlens=cu)
+    before = pool.clone(), conv_state.clone()
+    for leaves in ([0, 3], [5, 0], [-1, 0], [0]):  # leaf = T once read out of bounds, leaf = -1 did nothing
+        with pytest.raises(TreeInputError, match="invalid tree input"):
+            gdn_tree_commit_(pool, gdn_pending, leaves)
+        with pytest.raises(TreeInputError, match="invalid tree input"):
+            tree_conv_commit_(conv_state, conv_pending, leaves)
+    assert torch.equal(pool, before[0]) and torch.equal(conv_state, before[1])
 
 
 # ---------------------------------------------------------------- engine and benchmark

@@ -34,7 +34,8 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-@pytest.mark.parametrize("name,size", [("humaneval", 164), ("mtbench", 80), ("gsm_symbolic", 100)])
+@pytest.mark.parametrize("name,size", [("humaneval", 164), ("mtbench", 80), ("gsm_symbolic", 100),
+                                       ("train_logic", 1000)])
 def test_offline_sets_load_with_their_fixed_size_and_order(name, size):
     rows = load_prompt_set(cfg_with(), name)
     assert len(rows) == size and all(isinstance(p, str) and p.strip() for p in rows["prompt"])
@@ -44,6 +45,39 @@ def test_offline_sets_load_with_their_fixed_size_and_order(name, size):
 def test_mtbench_takes_first_turns():
     rows = load_prompt_set(cfg_with(mtbench={"seed": None}), "mtbench")
     assert rows["prompt"][0].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+
+
+def test_rollout_prompts_leave_out_the_evaluation_prompts(byte_tokenizer):
+    from weaver.data.rollouts import set_prompts
+
+    cfg = cfg_with()
+    evaluation = set(load_prompt_set(cfg, "gsm_symbolic")["prompt"])
+    generated = load_prompt_set(cfg, "train_math")["prompt"]
+    assert evaluation & set(generated), "another seed of the same generator repeats a few problems"
+    cfg.model.chat_template_kwargs = {}
+    cfg.rollouts = {"prompts": ["train_math", "train_code"], "exclude": ["gsm_symbolic"], "n_prompts": 2001,
+                    "prompt_tokens": 100_000}
+    prompts = set_prompts(cfg, byte_tokenizer)
+    texts = {byte_tokenizer.decode(p) for p in prompts}
+    assert len(prompts) == 2001 and not texts & evaluation
+    assert sum(t.startswith("Implement `") for t in texts) == 1000  # spread evenly: 1001 + 1000
+
+
+def test_stdlib_functions_are_implement_requests():
+    rows = load_prompt_set(cfg_with(train_code={"size": 50}), "train_code")
+    assert len(rows) == 50 and all(p.startswith("Implement `") and " module: " in p for p in rows["prompt"])
+
+
+def test_unknown_reasoning_gym_task_is_one_clear_error():
+    with pytest.raises(WeaverError, match="reasoning_gym cannot make task 'no_such_task'"):
+        load_prompt_set(cfg_with(bad={"kind": "reasoning_gym", "task": "no_such_task", "seed": 0, "size": 2}), "bad")
+
+
+def test_chat_template_options_reach_the_template(byte_tokenizer):
+    template = "{% if enable_thinking is defined and not enable_thinking %}<|nothink|>{% endif %}" + TEMPLATE
+    templated = PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer.backend_tokenizer, chat_template=template)
+    assert templated.decode(encode_text(templated, "hi", {"enable_thinking": False})).startswith("<|nothink|>")
+    assert templated.decode(encode_text(templated, "hi")) == "<|user|>hi<|assistant|>"
 
 
 def test_plain_text_without_a_chat_template(byte_tokenizer):
@@ -61,9 +95,9 @@ def test_long_prompts_are_left_truncated_or_skipped(byte_tokenizer):
     assert [byte_tokenizer.decode(p) for p in truncated] == ["aaaEND", "short", "bbbEND"]  # the empty one is dropped
     kept = encode_prompts(rows, byte_tokenizer, 1, prompt_tokens=6, long_prompts="skip")
     assert [byte_tokenizer.decode(p) for p in kept] == ["short"]
-    with pytest.raises(WeaverError, match="only 1 usable prompts .* fewer than eval.n_prompts=2"):
+    with pytest.raises(WeaverError, match="only 1 usable prompts .* fewer than the 2 asked for"):
         encode_prompts(rows, byte_tokenizer, 2, prompt_tokens=6, long_prompts="skip")
-    with pytest.raises(WeaverError, match="eval.long_prompts must be one of"):
+    with pytest.raises(WeaverError, match="long_prompts must be one of"):
         encode_prompts(rows, byte_tokenizer, 1, prompt_tokens=6, long_prompts="cut")
 
 

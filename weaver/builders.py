@@ -1,4 +1,4 @@
-"""Tree builders: from per-node child distributions to a draft tree under a node budget (DESIGN.md §2.4).
+"""Tree builders: from per-node child distributions to a draft tree under a node budget (docs/method.md §2.4).
 
 Every builder returns a `Proposal`: a `Tree` whose node 0 is the anchor (the last committed token) and
 whose other nodes, at most `budget` of them, are draft tokens in topological order, plus the

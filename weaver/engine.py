@@ -2,7 +2,7 @@
 
 Verification never writes the committed target state: `TargetModel.verify` leaves GDN states and conv
 windows untouched and puts attention KV in scratch slots; `TargetModel.commit` keeps only the accepted
-path (rollback-free, DESIGN.md §2.6). The drafter's context cache grows by the committed tokens' taps.
+path (rollback-free, docs/method.md §2.6). The drafter's context cache grows by the committed tokens' taps.
 """
 
 from __future__ import annotations

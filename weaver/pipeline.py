@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ OmegaConf.register_new_resolver("pkg_dir", _package_dir, replace=True)
 class Stage:
     name: str
     inputs: tuple[str, ...]  # stages whose artifacts this one reads
-    config: Callable[[DictConfig], list]  # the config slices that determines the artifact
+    config: Callable[[DictConfig], list]  # the settings that determine the artifact (hashed into its key)
     run: Callable[[DictConfig, Path, Path], None]  # (cfg, out_dir, work_dir); must write out_dir atomically
     needed: Callable[[DictConfig], bool] = lambda cfg: True
 
@@ -57,14 +58,22 @@ def _run_target(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
 
 
 def _run_rollouts(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
-    from weaver.data.rollouts import corpus_prompts, generate_rollouts
+    from weaver.data.rollouts import corpus_prompts, generate_rollouts, set_prompts
 
     r = cfg.rollouts
-    if r.prompts != "corpus":
-        raise WeaverError(f"rollouts.prompts '{r.prompts}' is not supported yet (only 'corpus')")
     target, tokenizer = load_target_and_tokenizer(cfg)
-    prompts = corpus_prompts(artifact_dir(cfg, "corpus"), r.n_prompts, r.prompt_tokens, cfg.seed)
+    if r.prompts == "corpus":
+        prompts = corpus_prompts(artifact_dir(cfg, "corpus"), r.n_prompts, r.prompt_tokens, cfg.seed)
+    else:
+        prompts = set_prompts(cfg, tokenizer)
     generate_rollouts(target, prompts, r, tokenizer.eos_token_id, cfg.seed, out_dir, work_dir)
+
+
+def _rollout_settings(cfg: DictConfig) -> list:
+    """What the rollouts depend on besides the target: their settings, the prompt sets, the chat template's."""
+    r = cfg.rollouts
+    sets = [] if r.prompts == "corpus" else [OmegaConf.to_container(cfg.prompt_sets[n]) for n in r.prompts if n in cfg.prompt_sets]
+    return [_trained_on(cfg, "rollouts"), sets, OmegaConf.to_container(cfg.model.chat_template_kwargs), cfg.seed]
 
 
 def _run_drafter(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
@@ -86,16 +95,28 @@ def _scratch(cfg: DictConfig) -> bool:
     return cfg.model.source == "scratch"
 
 
+# Settings read only when decoding: they must never change an artifact's key (and so never retrain).
+INFERENCE_ONLY = {"model": ("dtype", "chat_template_kwargs"), "weaver": ("search",)}
+
+
+def _trained_on(cfg: DictConfig, group: str) -> dict:
+    """The config group `group` without its inference-only settings: what a training stage hashes."""
+    settings = OmegaConf.to_container(cfg[group], resolve=True)
+    return {k: v for k, v in settings.items() if k not in INFERENCE_ONLY.get(group, ())}
+
+
 STAGES: dict[str, Stage] = {
-    "corpus": Stage("corpus", (), lambda cfg: [cfg.data, cfg.seed], _run_corpus),
-    "target": Stage("target", ("corpus",), lambda cfg: [cfg.model, cfg.seed], _run_target, needed=_scratch),
-    "rollouts": Stage("rollouts", ("target",), lambda cfg: [cfg.rollouts, cfg.seed], _run_rollouts),
+    "corpus": Stage("corpus", (), lambda cfg: [_trained_on(cfg, "data"), cfg.seed], _run_corpus),
+    "target": Stage(
+        "target", ("corpus",), lambda cfg: [_trained_on(cfg, "model"), cfg.seed], _run_target, needed=_scratch,
+    ),
+    "rollouts": Stage("rollouts", ("target",), _rollout_settings, _run_rollouts),
     "drafter": Stage(
-        "drafter", ("rollouts",), lambda cfg: [cfg.drafter, cfg.seed], _run_drafter,
+        "drafter", ("rollouts",), lambda cfg: [_trained_on(cfg, "drafter"), cfg.seed], _run_drafter,
         needed=lambda cfg: cfg.drafter.path is None,
     ),
     "weaver": Stage(
-        "weaver", ("rollouts", "drafter"), lambda cfg: [cfg.weaver, cfg.seed], _run_weaver,
+        "weaver", ("rollouts", "drafter"), lambda cfg: [_trained_on(cfg, "weaver"), cfg.seed], _run_weaver,
         needed=lambda cfg: cfg.weaver.path is None,
     ),
 }
@@ -105,7 +126,7 @@ def stage_key(cfg: DictConfig, name: str) -> str:
     stage = STAGES[name]
     payload = {
         "stage": name,
-        "config": [OmegaConf.to_container(c, resolve=True) if OmegaConf.is_config(c) else c for c in stage.config(cfg)],
+        "config": stage.config(cfg),
         "inputs": [stage_key(cfg, up) for up in stage.inputs],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:10]
@@ -115,11 +136,21 @@ def artifact_dir(cfg: DictConfig, name: str) -> Path:
     return Path(cfg.paths.root) / "artifacts" / f"{name}-{stage_key(cfg, name)}"
 
 
+NOTHING_TO_TRAIN = (
+    "[{experiment}] nothing to train (stages: []). A pretrained target needs a DFlash drafter (drafter.path: a "
+    "z-lab checkpoint folder or hub id) and, for the weaver method, an adapter (weaver.path); training either "
+    "on a pretrained target's rollouts is not supported yet (rollouts.prompts: corpus only). "
+    "`python eval.py +experiment={experiment}` measures the methods these paths allow."
+)
+
+
 def run_stages(cfg: DictConfig) -> dict[str, str]:
     """Run cfg.stages in order (with their inputs first); returns {stage: artifact folder}."""
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
         raise WeaverError(f"unknown stage(s) {unknown}; available: {', '.join(STAGES)}")
+    if not cfg.stages:
+        print(NOTHING_TO_TRAIN.format(experiment=cfg.experiment))
     done: dict[str, str] = {}
     for name in _with_inputs(list(cfg.stages)):
         stage = STAGES[name]
@@ -132,8 +163,10 @@ def run_stages(cfg: DictConfig) -> dict[str, str]:
         else:
             print(f"[{name}] building {out_dir}")
             work_dir = out_dir.with_name(out_dir.name + ".work")
+            start = time.perf_counter()
             stage.run(cfg, out_dir, work_dir)
             shutil.rmtree(work_dir, ignore_errors=True)
+            print(f"[{name}] built in {time.perf_counter() - start:.1f} s")
         done[name] = str(out_dir)
     atomic_write_json(Path(cfg.paths.root) / cfg.experiment / "artifacts.json", done)
     return done
@@ -154,25 +187,35 @@ def _with_inputs(names: list[str]) -> list[str]:
 
 
 def load_target_and_tokenizer(cfg: DictConfig):
-    """The experiment's target model and tokenizer: the trained artifact, an HF folder/hub id, or a GGUF."""
-    import torch
+    """The experiment's target model (on `cfg.device`, in `model.dtype`) and tokenizer: the trained
+    artifact, an HF folder/hub id, or a GGUF."""
     from transformers import AutoTokenizer
 
     from weaver.models.checkpoint import load_target, resolve_checkpoint
+    from weaver.precision import inference_dtype, resolve_device
 
-    dtype = getattr(torch, cfg.model.dtype)
+    device = resolve_device(cfg.device)
+    dtype = inference_dtype(cfg.model.dtype, device)
     if cfg.model.source == "scratch":
         folder = artifact_dir(cfg, "target")
         if not folder.exists():
             raise WeaverError(f"no trained target at {folder}; run `python train.py +experiment={cfg.experiment}` first")
-        return load_target(str(folder), dtype), AutoTokenizer.from_pretrained(folder)
-    if cfg.model.source == "hf":
+        model, tokenizer = load_target(str(folder), dtype), AutoTokenizer.from_pretrained(folder)
+    elif cfg.model.source == "hf":
         folder = resolve_checkpoint(cfg.model.path)
-        return load_target(str(folder), dtype), AutoTokenizer.from_pretrained(folder)
-    if cfg.model.source == "gguf":
+        model, tokenizer = load_target(str(folder), dtype), AutoTokenizer.from_pretrained(folder)
+    elif cfg.model.source == "gguf":
         model = load_target(cfg.model.path, dtype, gguf_file=cfg.model.gguf_file)
-        return model, AutoTokenizer.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file)
-    raise WeaverError(f"model.source must be scratch, hf or gguf, not '{cfg.model.source}'")
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file)
+    else:
+        raise WeaverError(f"model.source must be scratch, hf or gguf, not '{cfg.model.source}'")
+    return model.to(device), tokenizer
+
+
+def _like(model, target):
+    """`model` on the target's device and in its dtype: a bf16 target on a GPU gets a bf16 drafter there."""
+    weight = target.embed.weight
+    return model.to(device=weight.device, dtype=weight.dtype)
 
 
 def load_drafter_for(cfg: DictConfig, target):
@@ -180,11 +223,11 @@ def load_drafter_for(cfg: DictConfig, target):
     from weaver.models.drafter_checkpoint import load_drafter
 
     if cfg.drafter.path is not None:
-        return load_drafter(str(cfg.drafter.path), target)
+        return _like(load_drafter(str(cfg.drafter.path), target), target)
     folder = artifact_dir(cfg, "drafter")
     if not folder.exists():
         raise WeaverError(f"no trained drafter at {folder}; run `python train.py +experiment={cfg.experiment}` first")
-    return load_drafter(str(folder), target)
+    return _like(load_drafter(str(folder), target), target)
 
 
 def load_adapter_for(cfg: DictConfig, target, drafter):
@@ -194,4 +237,4 @@ def load_adapter_for(cfg: DictConfig, target, drafter):
     folder = Path(cfg.weaver.path) if cfg.weaver.path is not None else artifact_dir(cfg, "weaver")
     if not folder.exists():
         raise WeaverError(f"no trained Weaver adapter at {folder}; run `python train.py +experiment={cfg.experiment}` first")
-    return load_adapter(folder, target, drafter.cfg.block_size - 1)
+    return _like(load_adapter(folder, target, drafter.cfg.block_size - 1), target)

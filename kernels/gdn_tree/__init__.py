@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import flatten_trees, trees_for_reference, use_triton
+from kernels.dispatch import check_leaves, flatten_trees, trees_for_reference, use_triton
 from kernels.gdn_tree.reference import gdn_tree_commit_ref, gdn_tree_verify_ref
-from kernels.tree_mask import tree_ancestor_mask
 from weaver.errors import WeaverError
 from weaver.models.gdn import PendingGDN
 from weaver.tree import Tree
@@ -24,6 +23,7 @@ class GDNTreePending:
 
     state_indices: torch.Tensor  # (n_trees,) pool slot of each tree
     layout: str  # "kv" (fla) or "vk" (SGLang)
+    lengths: list[int]  # node count of each tree (host), to check the commit's leaves
     reference: list[PendingGDN] | None = None  # torch backend: one per tree
     # Triton backend: raw keys (N, H, K) (re-normalised at commit), U (N, HV, V), G (N, HV), tree data
     k: torch.Tensor | None = None
@@ -50,27 +50,31 @@ def gdn_tree_verify(
     of the context, shared by the B rows (or that `Tree`, whose cached ancestors the torch path reuses);
     or a batch of trees: B = 1, parents (N,), `cu_seqlens` offsets. `mask`: the trees' ancestor bitmask
     for the Triton path if already built (it is shared by all layers and heads).
+    `scale`: applied to q after its L2 norm (default K^-0.5), by both backends.
     `dot_precision`: Triton's tl.dot input_precision ("ieee" exact fp32; "tf32x3"/"tf32" faster on GPU).
-    Returns o (B, T, HV, V) fp32 and the pending commit data.
+    Returns o (B, T, HV, V) fp32 and the pending commit data. Trees not in topological order, empty ones
+    and mismatched lengths raise `kernels.dispatch.TreeInputError` before anything runs.
     """
     B, T, H, K = k.shape
     HV = v.shape[2]
     if HV % H or state_layout not in ("kv", "vk"):
         raise WeaverError(f"GDN tree verify: HV={HV} must be a multiple of H={H}, layout 'kv' or 'vk'")
-    flat_parents, cu_seqlens = flatten_trees(B, parents, cu_seqlens)
+    flat_parents, cu_seqlens, lengths = flatten_trees(B, T, parents, cu_seqlens)
     if state_indices is None:
         state_indices = torch.arange(cu_seqlens.numel() - 1, device=state.device)
     state_indices = state_indices.to(torch.int32)
     scale = K**-0.5 if scale is None else scale
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, a, b)]
-    pending = GDNTreePending(state_indices, state_layout)
+    pending = GDNTreePending(state_indices, state_layout, lengths)
     if use_triton(v):
         from kernels.gdn_tree.kernel import gdn_tree_verify_triton
+        from kernels.tree_mask.kernel import tree_ancestor_mask_triton
 
-        if mask is None:
-            mask = tree_ancestor_mask(flat_parents, cu_seqlens)
+        if mask is None:  # the trees are checked already
+            mask = tree_ancestor_mask_triton(flat_parents, cu_seqlens, max(lengths))
         o, pending.U, pending.G = gdn_tree_verify_triton(
-            *flat, A_log, dt_bias, state, state_indices, mask, cu_seqlens, scale, state_layout, dot_precision
+            *flat, A_log, dt_bias, state, state_indices, mask, cu_seqlens, max(lengths), scale, state_layout,
+            dot_precision,
         )
         pending.k, pending.mask, pending.cu_seqlens, pending.dot_precision = flat[1], mask, cu_seqlens, dot_precision
     else:
@@ -84,9 +88,10 @@ def gdn_tree_verify(
 def gdn_tree_commit_(state: torch.Tensor, pending: GDNTreePending, leaf: int | list[int] | torch.Tensor) -> None:
     """Write S_leaf = a_leaf S0 + sum_{j on path} D_leaf,j k_j u_j^T into each tree's slot, in place.
 
-    `leaf`: the accepted path's last node, node-local, one per tree (an int for a single tree).
+    `leaf`: the accepted path's last node, node-local, one per tree (an int for a single tree); out of
+    range raises `kernels.dispatch.TreeInputError`.
     """
-    leaves = torch.as_tensor(leaf, dtype=torch.int32).reshape(-1)
+    leaves = check_leaves(leaf, pending.lengths)
     if pending.reference is not None:
         gdn_tree_commit_ref(state, pending.state_indices, pending.reference, leaves.tolist(), pending.layout)
         return

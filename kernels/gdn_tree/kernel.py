@@ -1,10 +1,12 @@
-"""Fused GDN tree verification and commit (DESIGN.md §2.6) in Triton.
+"""Fused GDN tree verification and commit (docs/method.md §2.6) in Triton.
 
 One program per (V block, tree, value head). Nodes are processed in chunks of BC (topological order, so
 every ancestor of a chunk's node lies in that chunk or an earlier one):
   1. path log-decay G_i = sum of g over ancestors-or-self, from the ancestor bitmask (a masked row sum);
-  2. per chunk i: R_i = beta (v - a K_i S0) - sum_{j<i} X_ij U_j, then U_i = (I + X_ii)^-1 R_i with the
-     diagonal block inverted as (I - X)(I + X^2)(I + X^4)... (X_ii is nilpotent: log2(BC) steps);
+  2. per chunk i: R_i = beta (v - a K_i S0) - sum_{j<i} X_ij U_j, then U_i = (I + X_ii)^-1 R_i by
+     forward substitution over 16-row blocks inverted row by row (as fla's `solve_tril`): blocked
+     forward substitution over the whole tree, stable for every BC (the bound: kernels/README.md,
+     Numerics; an explicit power-series inverse would cancel catastrophically);
   3. O_i = a Q_i S0 + sum_{j<=i} Y_ij U_j.
 Gates (g from A_log/a/dt_bias, beta from b) and the q/k L2 norm are computed here from the raw
 projections; everything accumulates in fp32. U and G go to global memory: later chunks and the commit
@@ -44,14 +46,33 @@ def _log_decay(a, bos, rows, row_ok, i_hv, neg_A, dt_bias, HV: tl.constexpr):
     return tl.where(row_ok, neg_A * softplus, 0.0)
 
 
-def _verify_configs() -> list:
-    return autotune_configs([
-        triton.Config({"BC": bc, "BV": bv}, num_warps=w, num_stages=1)
-        for bc in (16, 32) for bv in (32, 64) for w in (4, 8)
-    ])
+@triton.jit
+def _solve_diagonal_block(X, R, offs_c, BC: tl.constexpr, DOT: tl.constexpr):
+    """(I + X)^-1 R for a strictly lower-triangular (BC, BC) X by blocked forward substitution with 16-row
+    diagonal blocks, as fla's `solve_tril`: each block inverted row by row (Z_i = e_i - sum_{j<i} X_ij Z_j,
+    from final rows only), all blocks at once; then each block subtracts the rows solved before it."""
+    tl.static_assert(BC % 16 == 0)
+    block = offs_c // 16
+    same = block[:, None] == block[None, :]
+    Xd = tl.where(same, X, 0.0)
+    Z = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0)
+    for i in range(1, 16):
+        row = ((offs_c % 16) == i)[:, None]  # row i of every diagonal block
+        x_i = tl.sum(tl.where(row, Xd, 0.0), axis=0)  # those rows summed: their columns do not overlap
+        Z = tl.where(row & same, Z - tl.sum(x_i[:, None] * Z, axis=0)[None, :], Z)
+    U = tl.dot(Z, R, input_precision=DOT)
+    for b in range(1, BC // 16):  # block b takes the final rows of blocks < b
+        E = tl.where((block[:, None] == b) & (block[None, :] < b), X, 0.0)
+        U -= tl.dot(Z, tl.dot(E, U, input_precision=DOT), input_precision=DOT)
+    return U
 
 
-@triton.autotune(configs=_verify_configs(), key=["T_BUCKET", "K", "V", "H", "HV", "DOT"])
+VERIFY_CONFIGS = [  # the solve is stable for every BC: autotuning picks on speed alone
+    triton.Config({"BC": bc, "BV": bv}, num_warps=w, num_stages=1) for bc in (16, 32) for bv in (32, 64) for w in (4, 8)
+]
+
+
+@triton.autotune(configs=autotune_configs(VERIFY_CONFIGS), key=["T_BUCKET", "K", "V", "H", "HV", "DOT"])
 @triton.jit
 def _gdn_tree_verify_kernel(
     q, k, v, a, b, A_log, dt_bias, state, state_indices, mask, cu_seqlens, o, U, G, scale,
@@ -112,20 +133,12 @@ def _gdn_tree_verify_kernel(
             X = beta_i[:, None] * tl.dot(k_i, tl.trans(k_j), input_precision=DOT) * D
             R -= tl.dot(X, U_j, input_precision=DOT)
             O += tl.dot(tl.dot(q_i, tl.trans(k_j), input_precision=DOT) * D, U_j, input_precision=DOT)
-        # diagonal block: strict ancestors inside the chunk, inverted by the nilpotent product
+        # diagonal block: strict ancestors inside the chunk, solved by forward substitution
         anc = _ancestor_tile(mask, bos, rows, rows, row_ok, row_ok, NW)
         D = tl.exp(tl.where(anc, G_i[:, None] - G_i[None, :], float("-inf")))
         strict = offs_c[:, None] != offs_c[None, :]
         X = tl.where(strict, beta_i[:, None] * tl.dot(k_i, tl.trans(k_i), input_precision=DOT) * D, 0.0)
-        eye = tl.where(strict, 0.0, 1.0)
-        power = -X
-        inverse = eye + power
-        span = 2
-        while span < BC:  # inverse = sum_{m < 2 span} (-X)^m after each step
-            power = tl.dot(power, power, input_precision=DOT)
-            inverse += tl.dot(inverse, power, input_precision=DOT)
-            span *= 2
-        U_i = tl.dot(inverse, R, input_precision=DOT)
+        U_i = _solve_diagonal_block(X, R, offs_c, BC, DOT)
         O += tl.dot(tl.dot(q_i, tl.trans(k_i), input_precision=DOT) * D, U_i, input_precision=DOT)
         tl.store(U + (bos + rows[:, None]) * HV * V + i_hv * V + offs_v[None, :], U_i,
                  mask=row_ok[:, None] & v_ok[None, :])
@@ -177,16 +190,16 @@ def _state_strides(state: torch.Tensor, layout: str) -> tuple[int, int, int, int
 def gdn_tree_verify_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor, mask: torch.Tensor,
-    cu_seqlens: torch.Tensor, scale: float, layout: str, dot_precision: str,
+    cu_seqlens: torch.Tensor, T_max: int, scale: float, layout: str, dot_precision: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flattened inputs: q, k (N, H, K), v (N, HV, V), a, b (N, HV). Returns o, U (N, HV, V), G (N, HV), fp32."""
+    """Flattened inputs: q, k (N, H, K), v (N, HV, V), a, b (N, HV); T_max the largest tree's node count.
+    Returns o, U (N, HV, V), G (N, HV), fp32."""
     N, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     o = torch.empty(N, HV, V, dtype=torch.float32, device=v.device)
     U = torch.empty_like(o)
     G = torch.empty(N, HV, dtype=torch.float32, device=v.device)
     n_trees = cu_seqlens.numel() - 1
-    T_max = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), n_trees, HV)  # noqa: E731
     _gdn_tree_verify_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, state, state_indices, mask, cu_seqlens, o, U, G, scale,

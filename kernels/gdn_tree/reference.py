@@ -15,13 +15,12 @@ def gdn_tree_verify_ref(
 ) -> tuple[torch.Tensor, list[PendingGDN]]:
     """Same flattened inputs as the kernel; returns o (N, HV, V) fp32 and one PendingGDN per tree."""
     g, beta = gdn_gates(a, b, A_log, dt_bias)
-    q = q * (scale * q.shape[-1] ** 0.5)  # tree_gated_delta_rule applies K^-0.5 after normalising q
     outs, pendings = [], []
     for n, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
         S0 = _slot_state(state, int(state_indices[n]), layout)
         sl = slice(start, end)
         o, pending = tree_gated_delta_rule(
-            q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl], S0, trees[n].ancestors
+            q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl], S0, trees[n].ancestors, scale
         )
         outs.append(o[0])
         pendings.append(pending)

@@ -8,7 +8,6 @@ import torch
 
 from kernels.dispatch import flatten_trees, trees_for_reference, use_triton
 from kernels.tree_attention.reference import tree_attention_ref
-from kernels.tree_mask import tree_ancestor_mask
 from weaver.tree import Tree
 
 
@@ -21,13 +20,14 @@ def tree_attention(
     (node-local, -1 = child of the prefix; one tree shared by the batch), or that `Tree`. prefix_valid (B, >=P) bool marks
     usable prefix slots (None: all). `mask`: the tree's ancestor bitmask if already built.
     Returns (B, Hq, T, D) in q's dtype."""
-    flat_parents, cu_seqlens = flatten_trees(1, parents, None)
+    flat_parents, cu_seqlens, lengths = flatten_trees(1, q.shape[2], parents, None)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if use_triton(q):
         from kernels.tree_attention.kernel import tree_attention_triton
+        from kernels.tree_mask.kernel import tree_ancestor_mask_triton
 
-        if mask is None:
-            mask = tree_ancestor_mask(flat_parents, cu_seqlens)
+        if mask is None:  # the tree is checked already
+            mask = tree_ancestor_mask_triton(flat_parents, cu_seqlens, max(lengths))
         return tree_attention_triton(q, k, v, mask, prefix_valid, scale, dot_precision)
     ancestors = trees_for_reference(parents, flat_parents, cu_seqlens)[0].ancestors
     return tree_attention_ref(q, k, v, ancestors, prefix_valid, scale)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import flatten_trees, trees_for_reference, use_triton
+from kernels.dispatch import check_leaves, flatten_trees, trees_for_reference, use_triton
 from kernels.tree_conv.reference import tree_conv1d_ref, tree_conv_commit_ref
 from weaver.tree import Tree
 
@@ -19,6 +19,7 @@ class TreeConvPending:
     parents: torch.Tensor  # (N,) int32, node-local
     cu_seqlens: torch.Tensor  # (n_trees + 1,) int32
     state_indices: torch.Tensor  # (n_trees,) int32
+    lengths: list[int]  # node count of each tree (host), to check the commit's leaves
     trees: list[Tree] | None  # torch path: one Tree per tree (cached conv windows); None on the Triton path
 
 
@@ -30,16 +31,17 @@ def tree_conv1d(
     state a pool (slots, C, W-1) of committed last inputs, tree n reading slot state_indices[n] (default
     n); parents / cu_seqlens as in `kernels.gdn_tree.gdn_tree_verify`. Returns out (B, T, C) in x's dtype."""
     B, T, C = x.shape
-    flat_parents, cu_seqlens = flatten_trees(B, parents, cu_seqlens)
+    flat_parents, cu_seqlens, lengths = flatten_trees(B, T, parents, cu_seqlens)
     if state_indices is None:
         state_indices = torch.arange(cu_seqlens.numel() - 1, device=state.device)
     trees = None if use_triton(x) else trees_for_reference(parents, flat_parents, cu_seqlens)
     pending = TreeConvPending(x.reshape(B * T, C).contiguous(), flat_parents, cu_seqlens, state_indices.to(torch.int32),
-                              trees)
+                              lengths, trees)
     if trees is None:
         from kernels.tree_conv.kernel import tree_conv1d_triton
 
-        out = tree_conv1d_triton(pending.x, weight.contiguous(), state, pending.state_indices, flat_parents, cu_seqlens)
+        out = tree_conv1d_triton(pending.x, weight.contiguous(), state, pending.state_indices, flat_parents, cu_seqlens,
+                                 max(lengths))
     else:
         out = tree_conv1d_ref(pending.x, weight, state, pending.state_indices, trees, cu_seqlens)
     return out.view(B, T, C), pending
@@ -47,7 +49,7 @@ def tree_conv1d(
 
 def tree_conv_commit_(state: torch.Tensor, pending: TreeConvPending, leaf: int | list[int] | torch.Tensor) -> None:
     """Write each tree's new conv state (the last W-1 inputs along its accepted path) into its slot."""
-    leaves = torch.as_tensor(leaf, dtype=torch.int32).reshape(-1)
+    leaves = check_leaves(leaf, pending.lengths)
     if pending.trees is None:
         from kernels.tree_conv.kernel import tree_conv_commit_triton
 

@@ -75,13 +75,13 @@ def _tree_conv_commit_kernel(
 
 def tree_conv1d_triton(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor,
-    parents: torch.Tensor, cu_seqlens: torch.Tensor,
+    parents: torch.Tensor, cu_seqlens: torch.Tensor, T_max: int,
 ) -> torch.Tensor:
+    """Trees checked by `kernels.dispatch.check_trees`; T_max: the largest tree's node count."""
     N, C = x.shape
     W = weight.shape[1]
     out = torch.empty_like(x)
     BT, BCH = 16, min(128, next_pow2(C))
-    T_max = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     grid = (cu_seqlens.numel() - 1, triton.cdiv(T_max, BT), triton.cdiv(C, BCH))
     _tree_conv_kernel[grid](x, weight, state, state_indices, parents, cu_seqlens, out, C, *state.stride(),
                             W=W, BT=BT, BCH=BCH)

@@ -12,13 +12,13 @@ def tree_ancestor_mask(parents: torch.Tensor, cu_seqlens: torch.Tensor | None = 
     """(N, ceil(max T / 32)) int32 bit-packed ancestors-or-self rows; see `tree_ancestor_mask_ref`.
 
     `parents` (N,) are node-local (-1: child of the committed context); trees at `cu_seqlens` offsets
-    (one tree when None).
+    (one tree when None). Bad trees raise `kernels.dispatch.TreeInputError` (see `check_trees`).
     """
-    parents, cu_seqlens = flatten_trees(1, parents, cu_seqlens)
+    parents, cu_seqlens, lengths = flatten_trees(1, parents.numel(), parents, cu_seqlens)
     if use_triton(parents):
         from kernels.tree_mask.kernel import tree_ancestor_mask_triton
 
-        return tree_ancestor_mask_triton(parents, cu_seqlens)
+        return tree_ancestor_mask_triton(parents, cu_seqlens, max(lengths))
     return tree_ancestor_mask_ref(parents, cu_seqlens)
 
 

@@ -26,11 +26,11 @@ def _tree_mask_kernel(parents, cu_seqlens, mask, NW: tl.constexpr, BT: tl.conste
     tl.store(mask + (bos + rows[:, None]) * NW + offs_w[None, :], words, mask=row_ok[:, None] & (offs_w[None, :] < NW))
 
 
-def tree_ancestor_mask_triton(parents: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    T_max = int(lengths.max())
+def tree_ancestor_mask_triton(parents: torch.Tensor, cu_seqlens: torch.Tensor, T_max: int) -> torch.Tensor:
+    """Trees checked by `kernels.dispatch.check_trees` (a cyclic parent pointer would never end the walk);
+    T_max: the largest tree's node count."""
     NW, BT = triton.cdiv(T_max, 32), 32
     mask = torch.empty(parents.shape[0], NW, dtype=torch.int32, device=parents.device)
-    grid = (len(lengths), triton.cdiv(T_max, BT))
+    grid = (cu_seqlens.numel() - 1, triton.cdiv(T_max, BT))
     _tree_mask_kernel[grid](parents, cu_seqlens, mask, NW=NW, BT=BT, BW=triton.next_power_of_2(NW))
     return mask

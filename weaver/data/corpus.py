@@ -1,4 +1,4 @@
-"""Offline training corpus for the tiny from-scratch target (DESIGN.md section 4).
+"""Offline training corpus for the tiny from-scratch target (docs/method.md §4).
 
 No hub is reachable, so the corpus is built from text already on disk (the
 Python standard library, Debian's python3.11-doc reST sources), a byte-level
@@ -20,6 +20,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from weaver.errors import WeaverError
 from weaver.io import atomic_dir
 
 EOS_TOKEN = "<|endoftext|>"
@@ -99,7 +100,7 @@ def collect_documents(sources: Sequence[str], max_bytes: int | None = None) -> l
     """
     unknown = [s for s in sources if s not in _SOURCES]
     if unknown:
-        raise ValueError(f"unknown corpus source(s) {unknown}; valid: {sorted(_SOURCES)}")
+        raise WeaverError(f"unknown corpus source(s) {unknown}; valid: {sorted(_SOURCES)}")
     streams = [_SOURCES[s]() for s in sources]  # fail on a missing source even if the cap hits first
     docs: list[dict] = []
     total = 0
@@ -118,10 +119,10 @@ def split_documents(docs: Sequence[dict], val_fraction: float, seed: int) -> tup
     Deterministic for a given seed; each split keeps the input order.
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise WeaverError(f"val_fraction must be in [0, 1), got {val_fraction}")
     n_val = max(1, round(len(docs) * val_fraction)) if val_fraction > 0 else 0
     if n_val and n_val >= len(docs):
-        raise ValueError(f"cannot hold out {n_val} of {len(docs)} documents and keep a train split")
+        raise WeaverError(f"cannot hold out {n_val} of {len(docs)} documents and keep a train split")
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
     val_idx = set(order[:n_val])
@@ -138,7 +139,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     """
     min_vocab = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
     if vocab_size < min_vocab:
-        raise ValueError(f"vocab_size must be at least {min_vocab} (bytes + special tokens), got {vocab_size}")
+        raise WeaverError(f"vocab_size must be at least {min_vocab} (bytes + special tokens), got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -200,7 +201,7 @@ def _write_corpus(
     """Build everything into tmp_dir and return the stats written to stats.json."""
     docs = collect_documents(sources, max_bytes)
     if not docs:
-        raise ValueError(f"no documents collected from {list(sources)} (max_bytes={max_bytes})")
+        raise WeaverError(f"no documents collected from {list(sources)} (max_bytes={max_bytes})")
     train, val = split_documents(docs, val_fraction, seed)
     tokenizer = train_tokenizer((d["text"] for d in train), vocab_size)
     splits = {"train": train, "validation": val}

@@ -1,4 +1,7 @@
-"""`rollouts` stage: the target answers a prompt set; drafter and adapter train on its own outputs.
+"""`rollouts` stage: the target answers prompts; drafter and adapter train on its own outputs.
+
+Prompts are openings of a scratch target's corpus rows, or prompt sets rendered in any target's chat
+template (`rollouts.prompts: [train_math, train_code, ...]`, conf/prompt_sets).
 
 Stored as an HF `datasets` dataset (Arrow on disk) with columns prompt_ids, response_ids, prompt_index.
 Generation is batched (left-padded) with our engine and written shard by shard under the stage's work
@@ -14,6 +17,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
 from weaver.errors import WeaverError
 from weaver.generate import generate
 from weaver.io import atomic_dir, atomic_write_json
@@ -26,6 +30,23 @@ def corpus_prompts(corpus_dir: Path, n: int, prompt_tokens: int, seed: int) -> l
         raise WeaverError(f"the corpus has {len(rows)} training rows, fewer than rollouts.n_prompts={n}")
     picked = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:n].tolist()
     return [row[:prompt_tokens] for row in rows.select(picked)["input_ids"]]
+
+
+def set_prompts(cfg: DictConfig, tokenizer) -> list[list[int]]:
+    """`rollouts.n_prompts` prompts spread evenly over the prompt sets named in `rollouts.prompts`, as token
+    ids in the target's chat template (any target: the text is rendered by its own tokenizer). Prompts
+    that also occur in a set of `rollouts.exclude` (the evaluation sets) are dropped first."""
+    r = cfg.rollouts
+    names = list(r.prompts)
+    if not names:
+        raise WeaverError("rollouts.prompts is empty: give 'corpus' or a list of prompt sets")
+    banned = {text for name in r.exclude for text in load_prompt_set(cfg, name)["prompt"]}
+    prompts = []
+    for i, name in enumerate(names):
+        rows = load_prompt_set(cfg, name).filter(lambda text: text not in banned, input_columns="prompt")
+        n = r.n_prompts // len(names) + (i < r.n_prompts % len(names))
+        prompts += encode_prompts(rows, tokenizer, n, r.prompt_tokens, "truncate", template_kwargs(cfg))
+    return prompts
 
 
 def generate_rollouts(

@@ -10,13 +10,12 @@ speedup from the matching AR row in the file. Per method, budget and temperature
 from __future__ import annotations
 
 import csv
-import fcntl
 import io
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from statistics import fmean
+
+from filelock import FileLock
 
 from weaver.io import atomic_write_text, writable_dir
 
@@ -31,22 +30,17 @@ SUMMARY_COLUMNS = ("experiment", "dataset", "method", "budget", "temperature", "
                    "greedy_match", "draft_share", "verify_share", "n_prompts", "n_tokens", "prompt_tokens", "max_new_tokens")
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock beside `path`, so parallel multirun jobs do not lose each other's rows."""
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def _lock(path: Path) -> FileLock:
+    """An exclusive lock, so parallel multirun jobs do not lose each other's rows. Its file stays (hidden):
+    removing a lock file on release lets a waiting job lock a file that is already gone."""
+    return FileLock(path.with_name(f".{path.name}.lock"))
 
 
 def append_rows(path: Path, rows: list[dict]) -> list[dict]:
     """Append rows to a JSONL file atomically (rewrite to a temporary file, then rename); returns all rows."""
     path = Path(path)
     writable_dir(path.parent)
-    with _locked(path):
+    with _lock(path):
         old = path.read_text() if path.exists() else ""
         atomic_write_text(path, old + "".join(json.dumps(r) + "\n" for r in rows))
         return read_rows(path)

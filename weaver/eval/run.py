@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from weaver.data.prompts import encode_prompts, load_prompt_set
+from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
 from weaver.engine import SpecStats, speculative_generate
 from weaver.errors import WeaverError
 from weaver.eval.plots import write_figures
@@ -176,7 +176,8 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     rows, all_rows = [], []
     with tqdm(total=n_runs, desc="eval") as bar:
         for name, rows_of_set in prompt_sets.items():
-            prompts = encode_prompts(rows_of_set, tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts)
+            prompts = encode_prompts(rows_of_set, tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts,
+                                     template_kwargs(cfg))
             dataset_rows = evaluate_dataset(cfg, name, prompts, models, tokenizer.eos_token_id, bar)
             all_rows = append_rows(out_dir / "results.jsonl", dataset_rows)  # per dataset: a crash keeps what is done
             rows += dataset_rows

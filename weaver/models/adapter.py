@@ -1,4 +1,4 @@
-"""The Weaver adapter (DESIGN.md §2.3): an autoregressive correction of the drafter's factorized marginals.
+"""The Weaver adapter (docs/method.md §2.3): an autoregressive correction of the drafter's factorized marginals.
 
 Per verify step, a prefix memory: slot 0 projects the target's final-norm hidden state of the token
 before the anchor (the one whose logits chose the anchor), slots 1..D project the normed drafter states
@@ -196,5 +196,5 @@ def load_adapter(folder: str | Path, target: TargetModel, max_depth: int) -> Wea
 
 
 def expansion_batch(budget: int, calls: int = 16) -> int:
-    """Frontier nodes expanded per adapter call: ceil(N / 16) by default (DESIGN.md §2.4)."""
+    """Frontier nodes expanded per adapter call: ceil(N / 16) by default (docs/method.md §2.4)."""
     return max(1, math.ceil(budget / calls))

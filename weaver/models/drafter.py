@@ -1,4 +1,4 @@
-"""Factorized block drafter (DFlash-style, DESIGN.md §2.2).
+"""Factorized block drafter (DFlash-style, docs/method.md §2.2).
 
 One forward pass drafts a whole block: the input is [anchor, MASK x (B-1)] embedded with the target's
 frozen embedding; every layer's attention uses as extra keys/values the fused tapped target hidden

@@ -1,21 +1,27 @@
 """Gated DeltaNet (GDN) recurrence in pure torch: the reference every faster path is checked against.
 
-Head recurrence (DESIGN.md §2.6), state S of shape (d_k, d_v), q and k L2-normalised:
+Head recurrence (docs/method.md §2.6), state S of shape (d_k, d_v), q and k L2-normalised:
     S_t = a_t S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - a_t S_{t-1}^T k_t),   o_t = S_t^T q_t
 with a_t = exp(g_t). Tensors use the fla/transformers layout: q, k (B, T, H, d_k), v (B, T, HV, d_v),
 g and beta (B, T, HV), state (B, HV, d_k, d_v). HV may be a multiple of H (grouped value heads).
 
 Unrolling the recurrence over a block of tokens whose "parent" structure is a chain gives a unit
-lower-triangular system (I + X) U = beta (V - a * (K S_0)); `chunk_gated_delta_rule` solves it per chunk
-so prefill and training are a handful of matmuls per chunk instead of one step per token.
+lower-triangular system (I + X) U = beta (V - a * (K S_0)); `torch_chunk_gated_delta_rule` solves it per
+chunk so prefill and training are a handful of matmuls per chunk instead of one step per token (on CUDA
+`chunk_gated_delta_rule` hands the same job to fla's chunk kernel). Every solve is a forward
+substitution (`solve_unit_lower`), never an explicitly formed inverse: see its docstring for the bound.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.dispatch import use_triton
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -29,10 +35,12 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     return g, b.float().sigmoid()
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normalise q/k, fold in the 1/sqrt(d_k) scale, expand grouped heads to HV; layout (B, HV, T, d), fp32."""
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalise q/k, then scale q (default 1/sqrt(d_k)); expand grouped heads to HV; layout (B, HV, T, d), fp32."""
     groups = v.shape[2] // k.shape[2]
-    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    q = l2norm(q.float()) * (q.shape[-1] ** -0.5 if scale is None else scale)
     k = l2norm(k.float())
     if groups > 1:
         q = q.repeat_interleave(groups, dim=2)
@@ -40,27 +48,25 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.T
     return q.transpose(1, 2), k.transpose(1, 2), v.float().transpose(1, 2)
 
 
-def invert_unit_lower(X: torch.Tensor) -> torch.Tensor:
-    """(I + X)^-1 for strictly lower-triangular X (..., n, n).
+def solve_unit_lower(X: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """U with (I + X) U = R, for strictly lower-triangular X (..., n, n) and R (..., n, m); differentiable.
 
-    X is nilpotent, so (I + X)^-1 = (I - X)(I + X^2)(I + X^4)...: log2(n) batched matmuls. On CPU this
-    is orders of magnitude faster than LAPACK's batched triangular solve at these sizes, and it is
-    differentiable for free.
+    Forward substitution (BLAS trsm), never the explicit inverse. In every GDN system
+    |X_ij| = beta_i |k_i . k_j| D_ij <= 1, and |((I + X)^-1)_ij| <= 1 too: column j is the recurrence's
+    response to a unit write at node j, which the contractions a (I - beta k k^T) cannot grow. Substitution
+    solves (I + X + dX) U = R with |dX| <= c n u |I + X| (u = unit roundoff), so its error is at most
+    c n u |(I + X)^-1| |I + X| |U| <= c n^3 u max|U|; the power series (I - X)(I + X^2)(I + X^4)... sums
+    terms up to 2^(n-2) that cancel (correlated keys, beta ~ 1, no decay: fp32 loses every digit by n ~ 30).
     """
-    n = X.shape[-1]
-    power = -X
-    inverse = torch.eye(n, dtype=X.dtype, device=X.device) + power
-    for _ in range(max(n - 1, 1).bit_length() - 1):
-        power = power @ power
-        inverse = inverse + inverse @ power
-    return inverse
+    return torch.linalg.solve_triangular(X, R, upper=False, unitriangular=True)  # the zero diagonal is not read
 
 
 def recurrent_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token recurrence (decode path and reference). Returns (o (B, T, HV, d_v), final state)."""
-    q, k, v = _prepare(q, k, v)
+    q, k, v = _prepare(q, k, v, scale)
     g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # (B, HV, T)
     S = state.float()
     outs = []
@@ -90,18 +96,55 @@ def gated_delta_step_(
 
 
 def chunk_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None = None, chunk_size: int = 64, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk-parallel form of the same recurrence (differentiable). Returns (o (B, T, HV, d_v), final state)."""
+    """Prefill and training: fla's chunk kernel for CUDA tensors (unless WEAVER_KERNELS=torch; fla picks its
+    own chunk), else `torch_chunk_gated_delta_rule`. Returns (o (B, T, HV, d_v), final state), fp32."""
+    fla_chunk = _fla_chunk_kernel(v)
+    if fla_chunk is None:
+        return torch_chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size, scale)
+    return call_fla_gated_delta_rule(fla_chunk, q, k, v, g, beta, state, scale)
+
+
+def _fla_chunk_kernel(x: torch.Tensor) -> Callable | None:
+    """fla's `chunk_gated_delta_rule` for CUDA tensors; imported only then, so CPU runs never load fla's
+    Triton paths. None (torch form) on CPU, with WEAVER_KERNELS=torch, or without fla (the `gpu` extra)."""
+    if not (x.is_cuda and use_triton(x)):
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except ImportError:
+        warnings.warn("flash-linear-attention is not installed: CUDA prefill runs the torch chunked form", stacklevel=3)
+        return None
+    return fla_chunk
+
+
+def call_fla_gated_delta_rule(
+    fla_fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None, scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our conventions through a function with fla's `chunk_gated_delta_rule` signature.
+
+    Same tensor layouts on both sides: q, k (B, T, H, d_k), v (B, T, HV, d_v) with value head j reading
+    q/k head j // (HV // H), g (log-decay) and beta (B, T, HV), state (B, HV, d_k, d_v) = fla's
+    `initial_state` (N, HV, K, V) with `state_v_first` off. What moves: our q/k L2 norm becomes fla's
+    in-kernel one, our always-returned final state becomes `output_final_state`, outputs come back fp32.
+    """
+    o, final = fla_fn(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+    return o.float(), final.float()
+
+
+def torch_chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None = None, chunk_size: int = 64, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-parallel form of the recurrence in torch (differentiable; the CPU path and the reference).
+    Returns (o (B, T, HV, d_v), final state (B, HV, d_k, d_v)), fp32."""
     B, T, H, dk = k.shape
     HV, dv = v.shape[2], v.shape[3]
-    q, k, v = _prepare(q, k, v)
+    q, k, v = _prepare(q, k, v, scale)
     g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)
     pad = (-T) % chunk_size
     if pad:  # padded steps have k = v = 0 and g = 0: they leave the state untouched
@@ -115,10 +158,9 @@ def chunk_gated_delta_rule(
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     D = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(G_i - G_j), j <= i
     X = (beta[..., None] * (k @ k.transpose(-1, -2)) * D).tril(-1)
-    inverse = invert_unit_lower(X)
-    # (I + X) U = beta V - beta a (K S0): split into a state-free part W1 and the state multiplier W2.
-    W1 = inverse @ (beta[..., None] * v)
-    W2 = inverse @ ((beta * G.exp())[..., None] * k)
+    # (I + X) U = beta V - beta a (K S0): one solve gives a state-free part W1 and the state multiplier W2.
+    rhs = torch.cat([beta[..., None] * v, (beta * G.exp())[..., None] * k], dim=-1)
+    W1, W2 = solve_unit_lower(X, rhs).split([dv, dk], dim=-1)
     Y = (q @ k.transpose(-1, -2)) * D
     q_decayed = q * G.exp()[..., None]
     k_to_end = k * (G[..., -1:] - G).exp()[..., None]
@@ -146,15 +188,16 @@ class PendingGDN:
 
 def tree_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, ancestors: torch.Tensor,
+    state: torch.Tensor, ancestors: torch.Tensor, scale: float | None = None,
 ) -> tuple[torch.Tensor, PendingGDN]:
-    """Outputs of T nodes in topological order, each continuing its own root-to-node path (DESIGN.md §2.6).
+    """Outputs of T nodes in topological order, each continuing its own root-to-node path (docs/method.md §2.6).
 
     Parallel form: G_i = sum of g over ancestors-or-self, D_ij = exp(G_i - G_j) on ancestors-or-self,
     (I + X) U = beta (V - a K S0) with X_ij = beta_i (k_i . k_j) D_ij on strict ancestors,
     O = a (Q S0) + Y U with Y_ij = (q_i . k_j) D_ij. A chain is the tree whose ancestors are the causal mask.
+    q is scaled by `scale` (default 1/sqrt(d_k)) after its L2 norm.
     """
-    q, k, v = _prepare(q, k, v)  # (B, HV, T, d)
+    q, k, v = _prepare(q, k, v, scale)  # (B, HV, T, d)
     g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # (B, HV, T)
     S0 = state.float()
     A = ancestors.to(q.dtype)
@@ -163,7 +206,7 @@ def tree_gated_delta_rule(
     strict = ancestors & ~torch.eye(len(ancestors), dtype=torch.bool, device=q.device)
     X = (beta[..., None] * (k @ k.transpose(-1, -2)) * D) * strict
     a = G.exp()[..., None]
-    U = invert_unit_lower(X) @ (beta[..., None] * (v - a * (k @ S0)))
+    U = solve_unit_lower(X, beta[..., None] * (v - a * (k @ S0)))
     o = a * (q @ S0) + ((q @ k.transpose(-1, -2)) * D) @ U
     return o.transpose(1, 2), PendingGDN(k, U, G, ancestors)
 
@@ -199,7 +242,7 @@ def tree_conv_state(buffer: torch.Tensor, conv_index: torch.Tensor, leaf: int) -
 
 def per_branch_tree_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, parents: torch.Tensor,
+    state: torch.Tensor, parents: torch.Tensor, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for trees: each node takes one recurrence step from its parent's state (the committed
     state for children of the context). Keeps one (HV, d_k, d_v) state per node, as per-branch
@@ -209,7 +252,7 @@ def per_branch_tree_gated_delta_rule(
     for i in range(T):
         parent_state = state if parents[i] < 0 else states[parents[i]]
         sl = slice(i, i + 1)
-        o, s = recurrent_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], parent_state)
+        o, s = recurrent_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], parent_state, scale)
         outs.append(o)
         states.append(s)
     return torch.cat(outs, dim=1), torch.stack(states, dim=1)

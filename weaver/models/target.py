@@ -6,7 +6,7 @@ for the drafter, and needs a fast batch-1 decode step. Weights load from HF chec
 (`weaver.models.checkpoint`); logits match transformers for the same weights (tests/test_target_equivalence.py).
 
 Every layer reads the tokens of one forward call through a `Step`: their positions and the attention
-mask against the cache. Tree verification (DESIGN.md §2.5-2.6) is another kind of Step, carrying parent
+mask against the cache. Tree verification (docs/method.md §2.5-2.6) is another kind of Step, carrying parent
 pointers, that the mixers dispatch on; the layers themselves do not change.
 """
 

@@ -1,4 +1,4 @@
-"""`weaver` stage: train the Weaver adapter on target rollouts, drafter and target frozen (DESIGN.md §2.3).
+"""`weaver` stage: train the Weaver adapter on target rollouts, drafter and target frozen (docs/method.md §2.3).
 
 For random anchors a in each rollout, one target pass gives the prefix's slot 0 (its final-norm state at
 a - 1) and its conditionals; one drafter pass gives the blocks' states and marginals. The adapter then

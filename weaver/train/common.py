@@ -24,19 +24,24 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 from tqdm.auto import tqdm
 
 from weaver.io import atomic_dir
+from weaver.precision import resolve_device, training_precision
 
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
 
 
-def make_accelerator(cfg: DictConfig, run_name: str, precision: str = "fp32") -> Accelerator:
-    """Accelerator with W&B tracking (offline unless WANDB_MODE says otherwise) when enabled."""
+def make_accelerator(cfg: DictConfig, run_name: str, precision: str = "auto") -> Accelerator:
+    """Accelerator with W&B tracking (offline unless WANDB_MODE says otherwise) when enabled.
+
+    `precision` is a stage's `train.precision`: bf16 | fp32 | auto (bf16 only where the hardware makes it
+    fast, weaver/precision.py)."""
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-checkpoint INFO lines drown the bar
     tracking = cfg.wandb.enabled and cfg.wandb.mode != "disabled"
     # One process may train several stages with different precisions; accelerate keeps that setting in
     # a process-wide singleton, so clear it (the distributed set-up, PartialState, is kept).
     AcceleratorState._reset_state()
+    precision = training_precision(precision, resolve_device(cfg.device))
     accelerator = Accelerator(
-        mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(precision, "no"),
+        mixed_precision={"bf16": "bf16"}.get(precision, "no"),
         cpu=cfg.device == "cpu",
         log_with="wandb" if tracking else None,
     )

@@ -116,7 +116,7 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
     torch.manual_seed(cfg.seed)
     drafter = Drafter(drafter_config(hf_config))
     init_weights(drafter, train.init_std)
-    with torch.no_grad():  # start from the target's own output scale (DESIGN.md: the target's final norm)
+    with torch.no_grad():  # start from the target's own output scale (docs/method.md: the target's final norm)
         drafter.norm.weight.copy_(target.norm.weight + target.norm.offset)
     target.requires_grad_(False)
     rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
