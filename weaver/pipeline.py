@@ -205,11 +205,34 @@ def load_target_and_tokenizer(cfg: DictConfig):
         folder = resolve_checkpoint(cfg.model.path)
         model, tokenizer = load_target(str(folder), dtype), AutoTokenizer.from_pretrained(folder)
     elif cfg.model.source == "gguf":
-        model = load_target(cfg.model.path, dtype, gguf_file=cfg.model.gguf_file)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file)
+        folder = gguf_as_safetensors(cfg)
+        model, tokenizer = load_target(str(folder), dtype), AutoTokenizer.from_pretrained(folder)
     else:
         raise WeaverError(f"model.source must be scratch, hf or gguf, not '{cfg.model.source}'")
     return model.to(device), tokenizer
+
+
+def gguf_as_safetensors(cfg: DictConfig) -> Path:
+    """The GGUF target dequantised once into an HF safetensors folder under `artifacts/gguf-<key>/` (key: the
+    file's path, size and mtime): dequantising takes most of a minute, reading safetensors a second."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from weaver.models.checkpoint import load_target, save_hf_checkpoint
+
+    source = Path(cfg.model.path) / cfg.model.gguf_file
+    if not source.is_file():
+        raise WeaverError(f"GGUF file not found: {source}")
+    stat = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    folder = Path(cfg.paths.root) / "artifacts" / f"gguf-{key}"
+    if not folder.exists():
+        print(f"[gguf] dequantising {source} once into {folder}")
+        model = load_target(cfg.model.path, torch.float32, gguf_file=cfg.model.gguf_file)
+        hf_config = AutoConfig.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file)
+        save_hf_checkpoint(model, hf_config, folder, tokenizer)
+    return folder
 
 
 def _like(model, target):

@@ -137,7 +137,7 @@ def resolve_checkpoint(name_or_path: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+        return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
     except Exception as err:  # offline, unknown repo, gated repo: all end the same way for the user
         raise WeaverError(f"could not fetch '{name_or_path}' from the hub ({type(err).__name__}); "
                           f"download it on a connected machine and point the config at the folder") from None
