@@ -138,8 +138,8 @@ def artifact_dir(cfg: DictConfig, name: str) -> Path:
 
 NOTHING_TO_TRAIN = (
     "[{experiment}] nothing to train (stages: []). A pretrained target needs a DFlash drafter (drafter.path: a "
-    "z-lab checkpoint folder or hub id) and, for the weaver method, an adapter (weaver.path); training either "
-    "on a pretrained target's rollouts is not supported yet (rollouts.prompts: corpus only). "
+    "z-lab checkpoint folder or hub id) and, for the weaver method, an adapter (weaver.path); no experiment "
+    "trains them on a pretrained target's rollouts yet. "
     "`python eval.py +experiment={experiment}` measures the methods these paths allow."
 )
 
@@ -200,16 +200,13 @@ def load_target_and_tokenizer(cfg: DictConfig):
         folder = artifact_dir(cfg, "target")
         if not folder.exists():
             raise WeaverError(f"no trained target at {folder}; run `python train.py +experiment={cfg.experiment}` first")
-        model, tokenizer = load_target(str(folder), dtype), AutoTokenizer.from_pretrained(folder)
     elif cfg.model.source == "hf":
         folder = resolve_checkpoint(cfg.model.path)
-        model, tokenizer = load_target(str(folder), dtype), AutoTokenizer.from_pretrained(folder)
     elif cfg.model.source == "gguf":
         folder = gguf_as_safetensors(cfg)
-        model, tokenizer = load_target(str(folder), dtype), AutoTokenizer.from_pretrained(folder)
     else:
         raise WeaverError(f"model.source must be scratch, hf or gguf, not '{cfg.model.source}'")
-    return model.to(device), tokenizer
+    return load_target(str(folder), dtype).to(device), AutoTokenizer.from_pretrained(folder)
 
 
 def gguf_as_safetensors(cfg: DictConfig) -> Path:
