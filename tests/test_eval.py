@@ -55,6 +55,15 @@ def test_eval_time_settings_never_change_artifact_keys():
     assert _artifact_keys("eval", "model.train.steps=10")["target"] != trained["target"]
 
 
+def test_storing_states_keeps_the_rollouts_and_changes_what_trains_on_them():
+    """The optional `states` stage: absent from the keys while off (existing artifacts keep theirs); turning it
+    on keeps the rollouts and retrains drafter and adapter, which then read stored bf16 states."""
+    off, on = _artifact_keys("train"), _artifact_keys("train", "rollouts.store_states=true")
+    assert on["rollouts"] == off["rollouts"] and on["target"] == off["target"]
+    assert on["drafter"] != off["drafter"] and on["weaver"] != off["weaver"]
+    assert _artifact_keys("train", "rollouts.store_states=true", "drafter.num_taps=2")["states"] != on["states"]
+
+
 def test_eval_overrides_run_on_trained_artifacts_without_training(smoke_outputs, tmp_path):
     done = run_script("eval.py", smoke_outputs, "+experiment=smoke", f"eval.out_dir={tmp_path}", "eval.methods=[weaver]",
                       "weaver.search.children=4", "weaver.search.nodes_per_call=2", "model.dtype=float32",

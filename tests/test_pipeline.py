@@ -121,3 +121,27 @@ def test_resume_after_crash_matches_uninterrupted(tmp_path):
     resumed = _toy_fit(tmp_path / "b", steps=14)
     for p, q in zip(reference.parameters(), resumed.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+def test_gpu_recipe_runs_from_local_snapshots(smoke, tmp_path):
+    """`+experiment=qwen3_8b` (a hub target with z-lab's DFlash drafter) with both pointed at local folders of
+    the same formats: rollouts from prompt sets, an adapter trained beside the given drafter, then eval."""
+    built = json.loads((smoke / "smoke" / "artifacts.json").read_text())
+    target, drafter = built["target"], built["drafter"]
+    given = [f"model.path={target}", f"drafter.path={drafter}", "model.dtype=float32", "device=cpu"]
+    small = ["rollouts.prompts=[train_math]", "rollouts.n_prompts=8", "rollouts.prompt_tokens=32",
+             "rollouts.max_new_tokens=16", "rollouts.batch_size=4", "rollouts.shard_size=8", "weaver.train.steps=4",
+             "weaver.train.batch_size=2", "weaver.train.precision=fp32", "weaver.d_model=32", "weaver.num_heads=2",
+             "weaver.intermediate_size=64", "weaver.rank=16", "weaver.pool_size=16"]
+    done = run("train.py", tmp_path, "+experiment=qwen3_8b", *given, *small)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[drafter] not needed" in done.stdout
+    built = json.loads((tmp_path / "qwen3_8b" / "artifacts.json").read_text())
+    assert set(built) == {"rollouts", "weaver"}
+    done = run("eval.py", tmp_path, "+experiment=qwen3_8b", *given, *small, "eval.datasets=[humaneval]",
+               "eval.n_prompts=1", "eval.max_new_tokens=8", "eval.budgets=[4]", "eval.compile=false",
+               f"eval.out_dir={tmp_path / 'eval'}", "eval.prompt_tokens=32")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"ar", "chain", "ddtree", "weaver", "oracle"}
+    assert all(r["greedy_match"] for r in rows)

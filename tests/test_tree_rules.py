@@ -66,7 +66,7 @@ def test_rejection_sampling_with_path_dependent_drafts_is_lossless(temperature, 
     for t in range(len(out)):
         emitted, a = [], 0
         while len(emitted) < 2:
-            proposal = best_first_tree(a, 6, 3, draft, width, per_call, generator=gen)
+            proposal = best_first_tree(a, 6, 3, draft, width, per_call, generator=gen, device="cpu")
             tree = proposal.tree
             leaf, token = recursive_rejection_tree(tree, log_p[tree.tokens], proposal.child_probs, temperature, gen)
             emitted += tree.tokens[tree.path_to(leaf)][1:].tolist() + [token]

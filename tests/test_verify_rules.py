@@ -128,7 +128,7 @@ def first_two_tokens(rule, log_p: torch.Tensor, q: torch.Tensor, temperature: fl
         emitted, a = [], anchor
         while len(emitted) < 2:
             proposal = best_first_tree(a, budget, depth, marginal_logprobs(q[a].log()), width,
-                                       generator=gen if drawn else None)
+                                       generator=gen if drawn else None, device="cpu")
             tree = proposal.tree
             leaf, token = rule(tree, log_p[tree.tokens], proposal.child_probs, temperature, gen)  # row i: p(. | node i)
             assert 0 <= token < V

@@ -106,13 +106,15 @@ class _Children:
 
 def best_first_tree(
     anchor: int, budget: int, max_depth: int, child_logprobs: ChildLogProbs, width: int,
-    nodes_per_call: int = 1, generator: torch.Generator | None = None, vocab_size: int | None = None,
+    nodes_per_call: int = 1, generator: torch.Generator | None = None, vocab_size: int | None = None, *,
+    device: torch.device | str,
 ) -> Proposal:
     """Best-first search over slots (see the module doc): pop up to `nodes_per_call` best slots, add their
     children to the tree, then expand the new nodes with one `child_logprobs` call.
 
     generator None: greedy (k-best) order; otherwise children are drawn without replacement.
     vocab_size: needed when `child_logprobs` returns supports rather than vocabulary rows.
+    device: where the tree goes (the target's): the search itself runs on the host.
     """
     grown = Grown([anchor], [-1], [0], [[anchor]])
     tokens, parents, depths, paths, scores = grown.tokens, grown.parents, grown.depths, grown.paths, [0.0]
@@ -158,7 +160,7 @@ def best_first_tree(
             push_slot(parent)
         if len(tokens) <= budget:
             expand(new)
-    tree = Tree(torch.tensor(tokens), torch.tensor(parents))
+    tree = Tree(torch.tensor(tokens, device=device), torch.tensor(parents, device=device))
     return Proposal(tree, supports, vocab_size)
 
 
@@ -172,14 +174,14 @@ def chain_tree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: 
                temperature: float = 1.0) -> Proposal:
     """DFlash's chain: the argmax (or one draw) per depth, `budget` drafts at most."""
     return best_first_tree(anchor, budget, len(draft_logits), marginal_logprobs(draft_logits, temperature), 1,
-                           generator=generator)
+                           generator=generator, device=draft_logits.device)
 
 
 def ddtree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
            temperature: float = 1.0) -> Proposal:
     """Best-first over the factorized marginals draft_logits (D, V): depth d scores use row d - 1."""
     return best_first_tree(anchor, budget, len(draft_logits), marginal_logprobs(draft_logits, temperature),
-                           min(budget, draft_logits.shape[-1]), generator=generator)
+                           min(budget, draft_logits.shape[-1]), generator=generator, device=draft_logits.device)
 
 
 def oracle_tree(anchor: int, budget: int, max_depth: int, target, cache, generator: torch.Generator | None = None,
@@ -194,7 +196,7 @@ def oracle_tree(anchor: int, budget: int, max_depth: int, target, cache, generat
         return (logits.float() / temperature).log_softmax(-1)
 
     return best_first_tree(anchor, budget, max_depth, logprobs, min(budget, target.cfg.vocab_size),
-                           nodes_per_call, generator)
+                           nodes_per_call, generator, device=device)
 
 
 def weaver_tree(
@@ -230,7 +232,7 @@ def weaver_tree(
         return scores.log_softmax(-1), pool_tokens[depths]
 
     return best_first_tree(anchor, budget, len(draft_logits), logprobs, min(width, adapter.cfg.pool_size),
-                           nodes_per_call, generator, vocab_size=draft_logits.shape[-1])
+                           nodes_per_call, generator, vocab_size=draft_logits.shape[-1], device=device)
 
 
 def check_budget(budget: int) -> None:

@@ -26,12 +26,12 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     if not prompts or any(len(p) == 0 for p in prompts):
         raise WeaverError("every prompt must contain at least one token")
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
+        ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long, device=device)
         mask[row, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
+    return ids, mask
 
 
 @torch.inference_mode()

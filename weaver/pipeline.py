@@ -42,6 +42,9 @@ class Stage:
     config: Callable[[DictConfig], list]  # the settings that determine the artifact (hashed into its key)
     run: Callable[[DictConfig, Path, Path], None]  # (cfg, out_dir, work_dir); must write out_dir atomically
     needed: Callable[[DictConfig], bool] = lambda cfg: True
+    unneeded: str = "pretrained model or checkpoint given"  # why a stage that is not needed is skipped
+    distributed: bool = False  # a training stage: every process of `accelerate launch` takes part
+    optional: bool = False  # when not needed it does not exist, and the keys of the stages reading it omit it
 
 
 def _run_corpus(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
@@ -76,11 +79,36 @@ def _rollout_settings(cfg: DictConfig) -> list:
     return [_trained_on(cfg, "rollouts"), sets, OmegaConf.to_container(cfg.model.chat_template_kwargs), cfg.seed]
 
 
+def _run_states(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    from weaver.data.states import build_states
+
+    target, _ = load_target_and_tokenizer(cfg)
+    r = cfg.rollouts
+    build_states(target, artifact_dir(cfg, "rollouts"), tap_layers_for(cfg, target), r.shard_size, r.batch_size,
+                 out_dir, work_dir)
+
+
+def tap_layers_for(cfg: DictConfig, target) -> tuple[int, ...]:
+    """The target layers the experiment's drafter reads: a given checkpoint's, or those a new one will tap."""
+    from weaver.models.checkpoint import load_hf_config, resolve_checkpoint
+    from weaver.models.drafter import default_target_layers
+    from weaver.models.drafter_checkpoint import drafter_config
+
+    if cfg.drafter.path is not None:
+        return drafter_config(load_hf_config(resolve_checkpoint(str(cfg.drafter.path)))).target_layer_ids
+    layers = target.cfg.num_layers
+    return default_target_layers(layers, min(cfg.drafter.num_taps, layers))
+
+
+def _states_dir(cfg: DictConfig) -> Path | None:
+    return artifact_dir(cfg, "states") if cfg.rollouts.store_states else None
+
+
 def _run_drafter(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
     from weaver.train.drafter import train_drafter
 
     target, tokenizer = load_target_and_tokenizer(cfg)
-    train_drafter(cfg, target, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir)
+    train_drafter(cfg, target, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir, _states_dir(cfg))
 
 
 def _run_weaver(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
@@ -88,7 +116,7 @@ def _run_weaver(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
 
     target, tokenizer = load_target_and_tokenizer(cfg)
     drafter = load_drafter_for(cfg, target)
-    train_adapter(cfg, target, drafter, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir)
+    train_adapter(cfg, target, drafter, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir, _states_dir(cfg))
 
 
 def _scratch(cfg: DictConfig) -> bool:
@@ -97,38 +125,49 @@ def _scratch(cfg: DictConfig) -> bool:
 
 # Settings read only when decoding: they must never change an artifact's key (and so never retrain).
 INFERENCE_ONLY = {"model": ("dtype", "chat_template_kwargs"), "weaver": ("search",)}
+# Settings of a group that another stage hashes: `rollouts.store_states` decides whether the optional
+# `states` stage exists, which enters the keys of the stages that read it, not the rollouts' key.
+HASHED_ELSEWHERE = {"rollouts": ("store_states",)}
 
 
 def _trained_on(cfg: DictConfig, group: str) -> dict:
     """The config group `group` without its inference-only settings: what a training stage hashes."""
     settings = OmegaConf.to_container(cfg[group], resolve=True)
-    return {k: v for k, v in settings.items() if k not in INFERENCE_ONLY.get(group, ())}
+    skip = INFERENCE_ONLY.get(group, ()) + HASHED_ELSEWHERE.get(group, ())
+    return {k: v for k, v in settings.items() if k not in skip}
 
 
 STAGES: dict[str, Stage] = {
-    "corpus": Stage("corpus", (), lambda cfg: [_trained_on(cfg, "data"), cfg.seed], _run_corpus),
+    "corpus": Stage(
+        "corpus", (), lambda cfg: [_trained_on(cfg, "data"), cfg.seed], _run_corpus,
+        needed=lambda cfg: _scratch(cfg) or cfg.rollouts.prompts == "corpus",
+        unneeded="pretrained target, rollouts from prompt sets",
+    ),
     "target": Stage(
         "target", ("corpus",), lambda cfg: [_trained_on(cfg, "model"), cfg.seed], _run_target, needed=_scratch,
+        distributed=True,
     ),
     "rollouts": Stage("rollouts", ("target",), _rollout_settings, _run_rollouts),
+    "states": Stage(
+        "states", ("rollouts",), lambda cfg: [cfg.drafter.path or cfg.drafter.num_taps],
+        _run_states, needed=lambda cfg: cfg.rollouts.store_states, unneeded="rollouts.store_states is false",
+        optional=True,
+    ),
     "drafter": Stage(
-        "drafter", ("rollouts",), lambda cfg: [_trained_on(cfg, "drafter"), cfg.seed], _run_drafter,
-        needed=lambda cfg: cfg.drafter.path is None,
+        "drafter", ("rollouts", "states"), lambda cfg: [_trained_on(cfg, "drafter"), cfg.seed], _run_drafter,
+        needed=lambda cfg: cfg.drafter.path is None, distributed=True,
     ),
     "weaver": Stage(
-        "weaver", ("rollouts", "drafter"), lambda cfg: [_trained_on(cfg, "weaver"), cfg.seed], _run_weaver,
-        needed=lambda cfg: cfg.weaver.path is None,
+        "weaver", ("rollouts", "states", "drafter"), lambda cfg: [_trained_on(cfg, "weaver"), cfg.seed], _run_weaver,
+        needed=lambda cfg: cfg.weaver.path is None, distributed=True,
     ),
 }
 
 
 def stage_key(cfg: DictConfig, name: str) -> str:
     stage = STAGES[name]
-    payload = {
-        "stage": name,
-        "config": stage.config(cfg),
-        "inputs": [stage_key(cfg, up) for up in stage.inputs],
-    }
+    inputs = [up for up in stage.inputs if not STAGES[up].optional or STAGES[up].needed(cfg)]
+    payload = {"stage": name, "config": stage.config(cfg), "inputs": [stage_key(cfg, up) for up in inputs]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
@@ -137,39 +176,61 @@ def artifact_dir(cfg: DictConfig, name: str) -> Path:
 
 
 NOTHING_TO_TRAIN = (
-    "[{experiment}] nothing to train (stages: []). A pretrained target needs a DFlash drafter (drafter.path: a "
-    "z-lab checkpoint folder or hub id) and, for the weaver method, an adapter (weaver.path); no experiment "
-    "trains them on a pretrained target's rollouts yet. "
-    "`python eval.py +experiment={experiment}` measures the methods these paths allow."
+    "[{experiment}] nothing to train (stages: []). `python eval.py +experiment={experiment}` measures the methods "
+    "the given checkpoints allow (drafter.path, weaver.path); `stages=[rollouts,drafter,weaver]` trains a drafter "
+    "and a Weaver adapter on the target's own rollouts (see +experiment=smollm2)."
 )
 
 
 def run_stages(cfg: DictConfig) -> dict[str, str]:
-    """Run cfg.stages in order (with their inputs first); returns {stage: artifact folder}."""
+    """Run cfg.stages in order (with their inputs first); returns {stage: artifact folder}.
+
+    Under `accelerate launch --num_processes N`, training stages run on every process (data sharded by
+    accelerate) and the others on rank 0 alone; only rank 0 writes, and every process waits for a
+    stage's artifact before the next stage."""
+    from accelerate import PartialState
+
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
         raise WeaverError(f"unknown stage(s) {unknown}; available: {', '.join(STAGES)}")
+    state = PartialState(cpu=cfg.device == "cpu")
+    say = state.print  # rank 0 only
+    if cfg.model.source == "gguf":
+        with state.main_process_first():  # rank 0 dequantises once; the others then find the cached folder
+            gguf_as_safetensors(cfg)
     if not cfg.stages:
-        print(NOTHING_TO_TRAIN.format(experiment=cfg.experiment))
+        say(NOTHING_TO_TRAIN.format(experiment=cfg.experiment))
     done: dict[str, str] = {}
     for name in _with_inputs(list(cfg.stages)):
         stage = STAGES[name]
         if not stage.needed(cfg):
-            print(f"[{name}] not needed with this config (pretrained model or checkpoint given)")
+            say(f"[{name}] not needed with this config ({stage.unneeded})")
             continue
         out_dir = artifact_dir(cfg, name)
         if out_dir.exists():
-            print(f"[{name}] up to date: {out_dir}")
+            say(f"[{name}] up to date: {out_dir}")
         else:
-            print(f"[{name}] building {out_dir}")
+            say(f"[{name}] building {out_dir}")
             work_dir = out_dir.with_name(out_dir.name + ".work")
             start = time.perf_counter()
-            stage.run(cfg, out_dir, work_dir)
-            shutil.rmtree(work_dir, ignore_errors=True)
-            print(f"[{name}] built in {time.perf_counter() - start:.1f} s")
+            if stage.distributed or state.is_main_process:
+                stage.run(cfg, out_dir, work_dir)
+            _wait_for(out_dir)
+            if state.is_main_process:
+                shutil.rmtree(work_dir, ignore_errors=True)
+            say(f"[{name}] built in {time.perf_counter() - start:.1f} s")
         done[name] = str(out_dir)
-    atomic_write_json(Path(cfg.paths.root) / cfg.experiment / "artifacts.json", done)
+    if state.is_main_process:
+        atomic_write_json(Path(cfg.paths.root) / cfg.experiment / "artifacts.json", done)
+    state.destroy_process_group()
     return done
+
+
+def _wait_for(folder: Path, poll_s: float = 1.0) -> None:
+    """The other processes wait here while rank 0 builds a stage alone: polling, not a collective, whose
+    timeout (30 min) a long rollouts stage would exceed."""
+    while not folder.exists():
+        time.sleep(poll_s)
 
 
 def _with_inputs(names: list[str]) -> list[str]:
@@ -191,22 +252,28 @@ def load_target_and_tokenizer(cfg: DictConfig):
     artifact, an HF folder/hub id, or a GGUF."""
     from transformers import AutoTokenizer
 
-    from weaver.models.checkpoint import load_target, resolve_checkpoint
+    from weaver.models.checkpoint import load_target
     from weaver.precision import inference_dtype, resolve_device
 
     device = resolve_device(cfg.device)
-    dtype = inference_dtype(cfg.model.dtype, device)
+    folder = target_folder(cfg)
+    return load_target(str(folder), inference_dtype(cfg.model.dtype, device)).to(device), AutoTokenizer.from_pretrained(folder)
+
+
+def target_folder(cfg: DictConfig) -> Path:
+    """The target's HF-format folder: the trained artifact, a given folder or hub snapshot, or the cached GGUF."""
+    from weaver.models.checkpoint import resolve_checkpoint
+
     if cfg.model.source == "scratch":
         folder = artifact_dir(cfg, "target")
         if not folder.exists():
             raise WeaverError(f"no trained target at {folder}; run `python train.py +experiment={cfg.experiment}` first")
-    elif cfg.model.source == "hf":
-        folder = resolve_checkpoint(cfg.model.path)
-    elif cfg.model.source == "gguf":
-        folder = gguf_as_safetensors(cfg)
-    else:
-        raise WeaverError(f"model.source must be scratch, hf or gguf, not '{cfg.model.source}'")
-    return load_target(str(folder), dtype).to(device), AutoTokenizer.from_pretrained(folder)
+        return folder
+    if cfg.model.source == "hf":
+        return resolve_checkpoint(cfg.model.path)
+    if cfg.model.source == "gguf":
+        return gguf_as_safetensors(cfg)
+    raise WeaverError(f"model.source must be scratch, hf or gguf, not '{cfg.model.source}'")
 
 
 def gguf_as_safetensors(cfg: DictConfig) -> Path:

@@ -27,7 +27,7 @@ KEY_FIELDS = ("experiment", "dataset", "method", "budget", "temperature", "sampl
 BASELINE_FIELDS = ("experiment", "dataset", "temperature", "n_prompts", "prompt_tokens", "max_new_tokens")
 MACRO_FIELDS = ("tau", "tokens_per_s", "speedup_vs_ar")
 SUMMARY_COLUMNS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "tau", "tokens_per_s", "speedup_vs_ar",
-                   "greedy_match", "draft_share", "verify_share", "n_prompts", "n_tokens", "prompt_tokens", "max_new_tokens")
+                   "greedy_match", "matches_transformers", "draft_share", "verify_share", "n_prompts", "n_tokens", "prompt_tokens", "max_new_tokens")
 
 
 def _lock(path: Path) -> FileLock:
@@ -82,12 +82,16 @@ def macro_rows(rows: list[dict]) -> list[dict]:
         if len({m["dataset"] for m in members}) < 2:
             continue
         means = {f: fmean(m[f] for m in members) if all(m.get(f) is not None for m in members) else None for f in MACRO_FIELDS}
-        matches = [m.get("greedy_match") for m in members]
         out.append({
-            **dict(zip(group_fields, key)), "dataset": MACRO, **means, "greedy_match": all(matches) if None not in matches else None,
+            **dict(zip(group_fields, key)), "dataset": MACRO, **means,
+            **{f: _all([m.get(f) for m in members]) for f in ("greedy_match", "matches_transformers")},
             "n_prompts": sum(m["n_prompts"] for m in members), "n_tokens": sum(m["n_tokens"] for m in members),
         })
     return out
+
+
+def _all(flags: list[bool | None]) -> bool | None:
+    return None if None in flags else all(flags)
 
 
 def _order(row: dict) -> tuple:
@@ -105,13 +109,13 @@ def _fmt(value, spec: str = "", suffix: str = "") -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| dataset | method | budget | T | τ | tokens/s | speedup vs AR | draft / verify share | greedy match |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dataset | method | budget | T | τ | tokens/s | speedup vs AR | draft / verify share | greedy match | = transformers |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shares = f"{r['draft_share']:.0%} / {r['verify_share']:.0%}" if r.get("draft_share") is not None else "-"
         lines.append(f"| {r['dataset']} | {r['method']} | {_fmt(r['budget'])} | {r['temperature']:g} | {r['tau']:.2f} | "
                      f"{_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_ar'], '.2f', 'x')} | {shares} | "
-                     f"{_fmt(r.get('greedy_match'))} |")
+                     f"{_fmt(r.get('greedy_match'))} | {_fmt(r.get('matches_transformers'))} |")
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """`eval.py`: decode prompt sets with each method at each budget; one result row per (dataset, method, budget).
 
 Row fields (results.jsonl): experiment, dataset, method, budget, temperature, tau, tokens_per_s,
-speedup_vs_ar, n_prompts, n_tokens, greedy_match, prompt_tokens, max_new_tokens, and for speculative
+speedup_vs_ar, n_prompts, n_tokens, greedy_match (= our eager greedy AR decode's tokens), matches_transformers (= transformers'
+own greedy `generate` on the same weights; with eval.check_transformers), prompt_tokens, max_new_tokens, and for speculative
 methods draft_share, verify_share (shares of decoding time) and accept_hist (verify steps by number of
 accepted draft tokens). tau = committed tokens / target forward passes (1 for autoregressive decoding).
 
@@ -29,9 +30,9 @@ from weaver.errors import WeaverError
 from weaver.eval.plots import write_figures
 from weaver.eval.results import append_rows, markdown_table, summarize, write_summary
 from weaver.eval.tracking import log_eval_run, wandb_enabled
-from weaver.generate import generate
+from weaver.generate import generate, until_eos
 from weaver.io import writable_dir
-from weaver.pipeline import load_adapter_for, load_drafter_for, load_target_and_tokenizer
+from weaver.pipeline import load_adapter_for, load_drafter_for, load_target_and_tokenizer, target_folder
 
 Models = dict[str, Any]  # "target", plus whatever the selected methods need ("drafter", ...)
 
@@ -86,14 +87,23 @@ def decode_all(prompts: list[list[int]], decode, desc: str) -> tuple[list[list[i
 
 
 def run_ar(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None) -> dict:
+    """The timed baseline (compiled unless eval.compile=false) and, at temperature 0, the greedy reference
+    every method's tokens are compared with: eager decoding, the same kernels the engine runs. (Inductor's
+    fused kernels round differently and can flip near-ties: seen on AVX2-only CPUs; the AR row's own
+    greedy_match says whether the compiled baseline agreed.)"""
     generator = torch.Generator().manual_seed(cfg.seed)
     e = cfg.eval
+    target = models["target"]
     outputs, _, seconds = decode_all(
-        prompts, lambda p: (generate(models["target"], [p], e.max_new_tokens, e.temperature, eos, generator, e.compile)[0], None),
+        prompts, lambda p: (generate(target, [p], e.max_new_tokens, e.temperature, eos, generator, e.compile)[0], None),
         "ar",
     )
+    reference = outputs
+    if e.compile and e.temperature == 0:
+        reference = [generate(target, [p], e.max_new_tokens, 0.0, eos)[0] for p in prompts]
     n_tokens = sum(map(len, outputs))
-    return {"tau": 1.0, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs}
+    return {"tau": 1.0, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs,
+            "reference": reference}
 
 
 def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, method: str, budget: int) -> dict:
@@ -119,6 +129,32 @@ def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, e
     }
 
 
+@torch.inference_mode()
+def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:
+    """transformers' own greedy decoding of each prompt (batch 1, no padding): the reference every greedy
+    method must reproduce token for token."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos or 0)
+    outputs = []
+    for prompt in tqdm(prompts, desc="transformers", leave=False):
+        ids = torch.tensor([prompt], device=device)
+        new = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, len(prompt):]
+        outputs.append(until_eos(new.tolist(), eos))
+    return outputs
+
+
+def load_transformers_target(cfg: DictConfig, like: torch.nn.Module):
+    """The target as transformers' own model class, on the same weights, device and dtype as ours."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    weight = like.embed.weight
+    model = AutoModelForCausalLM.from_pretrained(target_folder(cfg), dtype=weight.dtype).to(weight.device).eval()
+    model.generation_config = GenerationConfig()  # plain greedy: no repetition penalty etc. from the checkpoint
+    return model
+
+
 def warm_up(models: Models, cfg: DictConfig, token: int) -> None:
     """A short decode of each kind outside the timed loops: first calls pay for allocation and compilation."""
     if "ar" in cfg.eval.methods:
@@ -137,14 +173,16 @@ def check_names(cfg: DictConfig) -> None:
         raise WeaverError(f"unknown method/dataset {unknown}; methods: {list(METHODS)}, datasets: {list(cfg.prompt_sets)}")
 
 
-def result_row(cfg: DictConfig, dataset: str, method: str, budget: int | None, r: dict, ar: dict | None, n_prompts: int) -> dict:
+def result_row(cfg: DictConfig, dataset: str, method: str, budget: int | None, r: dict, ar: dict | None,
+               n_prompts: int, reference: list[list[int]] | None = None) -> dict:
     e = cfg.eval
     return {
         "experiment": cfg.experiment, "dataset": dataset, "method": method, "budget": budget,
         "temperature": e.temperature, "sampling": e.sampling if e.temperature > 0 else None, "tau": r["tau"], "tokens_per_s": r["tokens_per_s"],
         "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"] if ar else None,
         "n_prompts": n_prompts, "n_tokens": r["n_tokens"],
-        "greedy_match": r["outputs"] == ar["outputs"] if ar and e.temperature == 0 else None,
+        "greedy_match": r["outputs"] == ar["reference"] if ar and e.temperature == 0 else None,
+        "matches_transformers": r["outputs"] == reference if reference is not None else None,
         "prompt_tokens": e.prompt_tokens, "max_new_tokens": e.max_new_tokens,
         **{k: r[k] for k in ("draft_share", "verify_share", "accept_hist") if k in r},
     }
@@ -161,7 +199,10 @@ def evaluate_dataset(cfg: DictConfig, dataset: str, prompts: list[list[int]], mo
             )
             bar.update(1)
     ar = results.get(("ar", None))
-    return [result_row(cfg, dataset, method, budget, r, ar, len(prompts)) for (method, budget), r in results.items()]
+    reference = None
+    if "transformers" in models and cfg.eval.temperature == 0:
+        reference = transformers_greedy(models["transformers"], prompts, cfg.eval.max_new_tokens, eos)
+    return [result_row(cfg, dataset, method, budget, r, ar, len(prompts), reference) for (method, budget), r in results.items()]
 
 
 def evaluate(cfg: DictConfig) -> list[dict]:
@@ -172,6 +213,8 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     models, tokenizer = load_models(cfg)
     warm_up(models, cfg, tokenizer.eos_token_id or 0)
     e = cfg.eval
+    if e.check_transformers and e.temperature == 0:
+        models["transformers"] = load_transformers_target(cfg, models["target"])
     n_runs = len(e.datasets) * sum(len(METHODS[m].budgets(cfg, models)) for m in e.methods)
     rows, all_rows = [], []
     with tqdm(total=n_runs, desc="eval") as bar:

@@ -18,12 +18,12 @@ import datasets
 import torch
 from omegaconf import DictConfig
 
-from weaver.io import atomic_write_json
+from weaver.data.states import StoredStates
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, save_adapter
 from weaver.models.drafter import Drafter
 from weaver.models.target import TargetModel
-from weaver.train.common import fit, make_accelerator
-from weaver.train.drafter import anchored_batches, draft_blocks
+from weaver.train.common import fit, make_accelerator, write_artifact
+from weaver.train.drafter import anchored_batches, draft_blocks, taps_and_hidden
 from weaver.train.target import init_weights
 
 
@@ -48,25 +48,27 @@ def pool_losses(log_q: torch.Tensor, teacher_logits: torch.Tensor, pool_tokens: 
 
 def adapter_loss(
     adapter: WeaverAdapter, drafter: Drafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor,
-    anchors: torch.Tensor, mix: DictConfig,
+    anchors: torch.Tensor, mix: DictConfig, states: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     N, L = ids.shape
     D = adapter.cfg.max_depth
+    taps, hidden = taps_and_hidden(target, ids, drafter.cfg.target_layer_ids, states)
     with torch.no_grad():
-        out = target(ids, tap_layers=drafter.cfg.target_layer_ids)
-        draft_hidden = draft_blocks(drafter, target, ids, anchors, out.taps)[:, :, :D].flatten(0, 1)  # (A, D, H)
+        draft_hidden = draft_blocks(drafter, target, ids, anchors, taps)[:, :, :D].flatten(0, 1)  # (A, D, H)
         pool_logits, pool_tokens = draft_pools(target.lm_head(draft_hidden).float(), adapter.cfg.pool_size)
     rows = torch.arange(N, device=ids.device).repeat_interleave(anchors.shape[1])[:, None]  # (A, 1)
     a = anchors.flatten()[:, None]
     at = (a + torch.arange(D + 1, device=ids.device)).clamp(max=L - 1)  # x[a .. a+D]
     nodes, labels = ids[rows, at[:, :-1]], ids[rows, at[:, 1:]]  # node k holds x[a+k], its label is x[a+k+1]
     valid = ((a + torch.arange(1, D + 1, device=ids.device)) < lengths[rows]).float()
-    cache = adapter.start(adapter.prefix(out.hidden[rows[:, 0], a[:, 0] - 1], draft_hidden))
+    cache = adapter.start(adapter.prefix(hidden[rows[:, 0], a[:, 0] - 1], draft_hidden))
     causal = torch.ones(D, D, dtype=torch.bool, device=ids.device).tril()[None]
-    states = adapter(adapter.node_inputs(target, nodes), torch.arange(D, device=ids.device), cache, causal)
-    scores = adapter.pool_scores(states, pool_logits, adapter.candidate_table(target)[pool_tokens])
-    terms = pool_losses(scores.log_softmax(-1), out.logits[rows, at[:, :-1]], pool_tokens, labels)
-    prior = pool_losses(pool_logits.log_softmax(-1), out.logits[rows, at[:, :-1]], pool_tokens, labels)
+    node_states = adapter(adapter.node_inputs(target, nodes), torch.arange(D, device=ids.device), cache, causal)
+    scores = adapter.pool_scores(node_states, pool_logits, adapter.candidate_table(target)[pool_tokens])
+    with torch.no_grad():
+        teacher = target.lm_head(hidden[rows, at[:, :-1]])  # the target's logits at the chain's nodes
+    terms = pool_losses(scores.log_softmax(-1), teacher, pool_tokens, labels)
+    prior = pool_losses(pool_logits.log_softmax(-1), teacher, pool_tokens, labels)
 
     def mean(x: torch.Tensor) -> torch.Tensor:
         return (x * valid).sum() / valid.sum().clamp(min=1)
@@ -89,7 +91,7 @@ def optimizers(adapter: WeaverAdapter, train: DictConfig) -> list[torch.optim.Op
 
 
 def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokenizer, rollouts_dir: Path,
-                  out_dir: Path, work_dir: Path) -> dict:
+                  out_dir: Path, work_dir: Path, states_dir: Path | None = None) -> dict:
     """Train the adapter described by cfg.weaver on the rollouts; write config.json + model.safetensors."""
     w, train = cfg.weaver, cfg.weaver.train
     adapter_cfg = AdapterConfig(
@@ -106,22 +108,20 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
     accelerator = make_accelerator(cfg, f"{cfg.experiment}-weaver", train.precision)
     target.to(accelerator.device)
     drafter.to(accelerator.device)
-    collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed)
+    stored = None if states_dir is None else StoredStates(states_dir, drafter.cfg.target_layer_ids)
+    collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed, stored)
 
     def loss_fn(model, batch):
-        ids, lengths, anchors = batch
-        return adapter_loss(model, drafter, target, ids, lengths, anchors, train.loss)
+        ids, lengths, anchors, states = batch
+        return adapter_loss(model, drafter, target, ids, lengths, anchors, train.loss, states)
 
     n_params = sum(p.numel() for p in adapter.parameters())
     accelerator.print(f"weaver adapter: {n_params / 1e6:.2f}M parameters, pool {w.pool_size}, {len(rows)} rollouts")
     metrics = fit(accelerator, adapter, optimizers(adapter, train), rows, collate, loss_fn, train, work_dir,
                   cfg.seed, desc="weaver")
-    adapter = accelerator.unwrap_model(adapter).float().cpu().eval()
-    accelerator.end_training()
-    save_adapter(adapter, out_dir)
+    adapter = adapter.float().cpu().eval()
     summary = {"params": n_params, **metrics}
-    atomic_write_json(out_dir / "train_summary.json", summary)
-    print(f"weaver: final loss {metrics['loss']:.3f}; TV to the target on the pool {metrics['tv']:.3f} "
+    write_artifact(accelerator, lambda out: save_adapter(adapter, out), out_dir, summary, f"weaver: final loss {metrics['loss']:.3f}; TV to the target on the pool {metrics['tv']:.3f} "
           f"(drafter prior {metrics['tv_prior']:.3f}); top-1 {metrics['acc']:.2f} (prior {metrics['acc_prior']:.2f}); "
           f"pool coverage {metrics['coverage']:.2f}")
     return summary

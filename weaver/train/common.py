@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 from tqdm.auto import tqdm
 
-from weaver.io import atomic_dir
+from weaver.io import atomic_write_json, writable_dir
 from weaver.precision import resolve_device, training_precision
 
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
@@ -43,6 +43,8 @@ def make_accelerator(cfg: DictConfig, run_name: str, precision: str = "auto") ->
     accelerator = Accelerator(
         mixed_precision={"bf16": "bf16"}.get(precision, "no"),
         cpu=cfg.device == "cpu",
+        # schedules count optimizer steps; by default accelerate steps them once per process per step
+        step_scheduler_with_optimizer=False,
         log_with="wandb" if tracking else None,
     )
     if tracking:
@@ -63,7 +65,7 @@ def wsd_multiplier(step: int, total: int, warmup: int, decay_fraction: float, mi
     decay_start = total - int(math.ceil(decay_fraction * total))
     if step < decay_start:
         return 1.0
-    progress = (step - decay_start) / max(1, total - decay_start)
+    progress = min(1.0, (step - decay_start) / max(1, total - decay_start))
     return 1.0 - (1.0 - min_ratio) * progress
 
 
@@ -85,10 +87,55 @@ class Checkpoints:
         return found[-1] if found else None
 
     def save(self, accelerator: Accelerator, step: int) -> None:
-        with atomic_dir(self.folder / f"step-{step:07d}") as tmp:
-            accelerator.save_state(str(tmp), safe_serialization=True)
-        for _, old in self.all()[: -self.keep]:
-            shutil.rmtree(old)
+        """Every process writes its part (rank 0 the weights and optimizer, each rank its RNG state) into one
+        temporary folder, which rank 0 renames once all are done: a checkpoint is complete or absent."""
+        final = self.folder / f"step-{step:07d}"
+        tmp = final.with_name(final.name + ".tmp")
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
+            writable_dir(self.folder)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp), safe_serialization=True)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            tmp.rename(final)
+            for _, old in self.all()[: -self.keep]:
+                shutil.rmtree(old)
+        accelerator.wait_for_everyone()
+
+
+def write_artifact(accelerator: Accelerator, save: Callable[[Path], None], out_dir: Path, summary: dict,
+                   message: str) -> None:
+    """Close the stage's trackers; rank 0 writes the artifact (`save(out_dir)`, then train_summary.json) and
+    prints `message`, the other processes wait for it. (Not `end_training`: it also ends the process group,
+    which the next stage of the same run still needs.)"""
+    for tracker in accelerator.trackers:
+        tracker.finish()
+    if accelerator.is_main_process:
+        save(out_dir)
+        atomic_write_json(out_dir / "train_summary.json", summary)
+        print(message)
+    accelerator.wait_for_everyone()
+
+
+class LossStep(torch.nn.Module):
+    """A stage's `loss_fn(model, batch)` as one module's forward: distributed data parallel synchronises
+    gradients of what runs inside a wrapped forward, and a loss may call several of the model's methods."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.loss_fn(self.model, batch)
+
+    # checkpoints hold the model's own weights (no "model." prefix): the format fit wrote before this wrapper
+    def state_dict(self, *args, **kwargs) -> dict[str, Any]:
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+        return self.model.load_state_dict(state_dict, strict, assign)
 
 
 def _batches(dataset: Dataset, batch_size: int, collate: Callable, seed: int, epoch: int) -> DataLoader:
@@ -121,7 +168,7 @@ def fit(
         )
         for o in optimizers
     ]
-    model, *prepared = accelerator.prepare(model, *optimizers, *schedules)
+    step_fn, *prepared = accelerator.prepare(LossStep(model, loss_fn), *optimizers, *schedules)
     optimizers, schedules = prepared[: len(optimizers)], prepared[len(optimizers) :]
     checkpoints = Checkpoints(Path(work_dir) / "checkpoints")
     step = 0
@@ -129,21 +176,26 @@ def fit(
         step, path = latest
         accelerator.load_state(str(path))
         accelerator.print(f"resuming {desc} from {path} (step {step})")
-    steps_per_epoch = len(dataset) // train.batch_size
+    # train.batch_size is per process: with N processes a step sees N batches, an epoch has 1/N the steps
+    steps_per_epoch = len(dataset) // (train.batch_size * accelerator.num_processes)
     if steps_per_epoch == 0:
-        raise ValueError(f"dataset of {len(dataset)} rows is smaller than one batch of {train.batch_size}")
+        raise ValueError(f"dataset of {len(dataset)} rows is smaller than one batch of {train.batch_size} "
+                         f"on each of {accelerator.num_processes} processes")
+    if accelerator.num_processes > 1:
+        accelerator.print(f"{desc}: {accelerator.num_processes} processes x batch {train.batch_size}, "
+                          f"{steps_per_epoch} steps per epoch")
     metrics: dict[str, float] = {}
     bar = tqdm(total=train.steps, initial=step, desc=desc, disable=not accelerator.is_local_main_process)
-    model.train()
+    step_fn.train()
     while step < train.steps:
         epoch, offset = divmod(step, steps_per_epoch)
         loader = accelerator.prepare(_batches(dataset, train.batch_size, collate, seed, epoch))
         for batch in accelerator.skip_first_batches(loader, offset):
             with accelerator.autocast():
-                loss, logs = loss_fn(model, batch)
+                loss, logs = step_fn(batch)
             accelerator.backward(loss)
             if train.grad_clip:
-                accelerator.clip_grad_norm_(model.parameters(), train.grad_clip)
+                accelerator.clip_grad_norm_(step_fn.parameters(), train.grad_clip)
             for o, schedule in zip(optimizers, schedules):
                 o.step()
                 schedule.step()
@@ -156,7 +208,8 @@ def fit(
                 accelerator.log(metrics, step=step)
             if evaluate is not None and (step % train.eval_every == 0 or step == train.steps):
                 model.eval()
-                metrics.update(evaluate(accelerator.unwrap_model(model)))
+                with accelerator.autocast():
+                    metrics.update(evaluate(model))
                 model.train()
                 accelerator.log(metrics, step=step)
             if step % train.checkpoint_every == 0 or step == train.steps:

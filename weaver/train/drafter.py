@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+from weaver.data.states import StoredStates, target_states
 from weaver.errors import WeaverError
-from weaver.io import atomic_write_json
 from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config, save_drafter
 from weaver.models.target import TargetModel
-from weaver.train.common import fit, make_accelerator
+from weaver.train.common import fit, make_accelerator, write_artifact
 from weaver.train.target import init_weights
 
 
@@ -44,16 +44,28 @@ def sample_anchors(lengths: torch.Tensor, prompt_lengths: torch.Tensor, per_seq:
     return low[:, None] + (u * span[:, None]).long()
 
 
-def anchored_batches(pad_id: int, anchors_per_seq: int, seed: int) -> Callable[[list[dict]], tuple]:
-    """Collate rollout rows into (ids, lengths, anchors). Anchors depend on the batch's rows only, so a
-    resumed run draws the same ones."""
+def anchored_batches(pad_id: int, anchors_per_seq: int, seed: int, stored: StoredStates | None = None) -> Callable[[list[dict]], tuple]:
+    """Collate rollout rows into (ids, lengths, anchors, states): states are the target's stored states
+    of the rows (`states` stage) or None (computed in the step). Anchors depend on the batch's rows only,
+    so a resumed run draws the same ones."""
 
-    def collate(batch: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def collate(batch: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         ids, lengths, prompt_lengths = pad_sequences(batch, pad_id)
-        generator = torch.Generator().manual_seed(hash(tuple(r["prompt_index"] for r in batch)) % 2**62 + seed)
-        return ids, lengths, sample_anchors(lengths, prompt_lengths, anchors_per_seq, generator)
+        indices = [r["prompt_index"] for r in batch]
+        generator = torch.Generator().manual_seed(hash(tuple(indices)) % 2**62 + seed)
+        states = None if stored is None else stored.batch(indices, ids.shape[1])
+        return ids, lengths, sample_anchors(lengths, prompt_lengths, anchors_per_seq, generator), states
 
     return collate
+
+
+def taps_and_hidden(target: TargetModel, ids: torch.Tensor, tap_layers: tuple[int, ...],
+                    states: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The target's tapped states and final-norm states (N, L, H) over ids: stored ones, or computed now."""
+    if states is None:
+        states = target_states(target, ids, tap_layers)
+    states = states.to(target.embed.weight)
+    return list(states[:, :, :-1].unbind(2)), states[:, :, -1]
 
 
 def block_mask(anchors: torch.Tensor, block: int, context_len: int) -> torch.Tensor:
@@ -82,13 +94,12 @@ def draft_blocks(drafter: Drafter, target: TargetModel, ids: torch.Tensor, ancho
 
 def distillation_loss(
     drafter: Drafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
-    gamma: float, kl_weight: float,
+    gamma: float, kl_weight: float, states: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     N, L = ids.shape
     B = drafter.cfg.block_size
-    with torch.no_grad():
-        out = target(ids, tap_layers=drafter.cfg.target_layer_ids, logits_to_keep=None if kl_weight else 0)
-    logits = target.lm_head(draft_blocks(drafter, target, ids, anchors, out.taps)).float()
+    taps, hidden = taps_and_hidden(target, ids, drafter.cfg.target_layer_ids, states)
+    logits = target.lm_head(draft_blocks(drafter, target, ids, anchors, taps)).float()
     offsets = torch.arange(B, device=ids.device)
     label_pos = (anchors[:, :, None] + offsets[1:]).clamp(max=L - 1)
     labels = ids[:, None, :].expand(-1, anchors.shape[1], -1).gather(2, label_pos)
@@ -97,15 +108,16 @@ def distillation_loss(
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(weight)
     loss = (ce * weight).sum() / weight.sum()
     if kl_weight:
-        teacher = out.logits.float().log_softmax(-1)  # target at p predicts p + 1: the label at a + d
-        teacher = teacher[torch.arange(N)[:, None, None], label_pos - 1]
+        with torch.no_grad():  # the target at p predicts p + 1: the label at a + d
+            teacher = target.lm_head(hidden[torch.arange(N)[:, None, None], label_pos - 1]).float().log_softmax(-1)
         kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
         loss = (1 - kl_weight) * loss + kl_weight * (kl * weight).sum() / weight.sum()
     accuracy = ((logits.argmax(-1) == labels) & valid).float().sum(0).sum(0) / valid.float().sum(0).sum(0).clamp(min=1)
     return loss, {"acc_d1": accuracy[0].item(), f"acc_d{B - 1}": accuracy[-1].item()}
 
 
-def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir: Path, out_dir: Path, work_dir: Path) -> dict:
+def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir: Path, out_dir: Path, work_dir: Path,
+                  states_dir: Path | None = None) -> dict:
     """Train the drafter described by cfg.drafter on the rollouts; write a DFlash-format checkpoint."""
     d, train = cfg.drafter, cfg.drafter.train
     mask_id = tokenizer.convert_tokens_to_ids(d.mask_token)
@@ -122,20 +134,19 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
     rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
     accelerator = make_accelerator(cfg, f"{cfg.experiment}-drafter", train.precision)
     target.to(accelerator.device)
-    collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed)
+    stored = None if states_dir is None else StoredStates(states_dir, drafter.cfg.target_layer_ids)
+    collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed, stored)
 
     def loss_fn(model, batch):
-        ids, lengths, anchors = batch
-        return distillation_loss(model, target, ids, lengths, anchors, train.gamma, train.kl_weight)
+        ids, lengths, anchors, states = batch
+        return distillation_loss(model, target, ids, lengths, anchors, train.gamma, train.kl_weight, states)
 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=train.weight_decay)
     n_params = sum(p.numel() for p in drafter.parameters())
     accelerator.print(f"drafter: {n_params / 1e6:.2f}M parameters, {len(rows)} rollouts, taps {drafter.cfg.target_layer_ids}")
     metrics = fit(accelerator, drafter, optimizer, rows, collate, loss_fn, train, work_dir, cfg.seed, desc="drafter")
-    drafter = accelerator.unwrap_model(drafter).float().cpu().eval()
-    accelerator.end_training()
-    save_drafter(drafter, hf_config, out_dir)
+    drafter = drafter.float().cpu().eval()
     summary = {"params": n_params, **metrics}
-    atomic_write_json(out_dir / "train_summary.json", summary)
-    print(f"drafter: final loss {metrics['loss']:.3f}, top-1 acc at d=1 {metrics['acc_d1']:.2f}")
+    write_artifact(accelerator, lambda out: save_drafter(drafter, hf_config, out), out_dir, summary,
+                   f"drafter: final loss {metrics['loss']:.3f}, top-1 acc at d=1 {metrics['acc_d1']:.2f}")
     return summary

@@ -17,11 +17,10 @@ from transformers import AutoTokenizer, PretrainedConfig, Qwen3_5TextConfig
 
 from weaver.errors import WeaverError
 from weaver.generate import generate
-from weaver.io import atomic_write_json
 from weaver.models.checkpoint import save_hf_checkpoint
 from weaver.models.config import from_hf
 from weaver.models.target import TargetModel
-from weaver.train.common import fit, make_accelerator
+from weaver.train.common import fit, make_accelerator, write_artifact
 
 
 def scratch_hf_config(model_cfg: DictConfig, tokenizer) -> PretrainedConfig:
@@ -89,15 +88,13 @@ def train_target(cfg: DictConfig, corpus_dir: Path, out_dir: Path, work_dir: Pat
         loss_fn=next_token_loss, train=train, work_dir=work_dir, seed=cfg.seed,
         evaluate=lambda m: {"val_loss": validation_loss(m, val_rows)}, desc="target",
     )
-    model = accelerator.unwrap_model(model).float().cpu().eval()
+    model = model.float().cpu().eval()
     metrics["val_loss"] = validation_loss(model, val_rows)
     sample = greedy_sample(model, tokenizer)
-    accelerator.end_training()
-    save_hf_checkpoint(model, hf_config, out_dir, tokenizer)
     summary = {"params": n_params, **metrics, "sample_prompt": SAMPLE_PROMPT, "sample": sample}
-    atomic_write_json(out_dir / "train_summary.json", summary)
-    print(f"target: final train loss {metrics['loss']:.3f}, val loss {metrics['val_loss']:.3f}")
-    print("greedy sample:\n" + SAMPLE_PROMPT + sample)
+    write_artifact(accelerator, lambda out: save_hf_checkpoint(model, hf_config, out, tokenizer), out_dir, summary,
+                   f"target: final train loss {metrics['loss']:.3f}, val loss {metrics['val_loss']:.3f}\n"
+                   f"greedy sample:\n{SAMPLE_PROMPT}{sample}")
     return summary
 
 
