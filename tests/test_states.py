@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hf_tiny import VOCAB
-from weaver.data.states import StoredStates, build_states, target_states
+from weaver.data.states import StoredStates, build_states
 from weaver.errors import WeaverError
 from weaver.models.adapter import AdapterConfig, WeaverAdapter
 from weaver.models.drafter import Drafter

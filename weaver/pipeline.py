@@ -96,8 +96,7 @@ def tap_layers_for(cfg: DictConfig, target) -> tuple[int, ...]:
 
     if cfg.drafter.path is not None:
         return drafter_config(load_hf_config(resolve_checkpoint(str(cfg.drafter.path)))).target_layer_ids
-    layers = target.cfg.num_layers
-    return default_target_layers(layers, min(cfg.drafter.num_taps, layers))
+    return default_target_layers(target.cfg.num_layers, cfg.drafter.num_taps)
 
 
 def _states_dir(cfg: DictConfig) -> Path | None:

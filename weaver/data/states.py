@@ -27,6 +27,14 @@ from weaver.models.target import TargetModel
 STORED_DTYPE = torch.bfloat16
 
 
+def right_pad(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
+    """(N, max length) token ids, each sequence left-aligned and followed by `pad_id`."""
+    ids = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+    return ids
+
+
 @torch.no_grad()  # not inference_mode: the drafter's backward saves these as inputs
 def target_states(target: TargetModel, ids: torch.Tensor, tap_layers: tuple[int, ...]) -> torch.Tensor:
     """(N, L, taps + 1, H): the tapped states and the final-norm state of each position of ids (N, L)."""
@@ -51,9 +59,7 @@ def build_states(target: TargetModel, rollouts_dir: Path, tap_layers: tuple[int,
         pieces = []
         for start in range(0, len(seqs), batch_size):
             batch = seqs[start : start + batch_size]
-            ids = torch.zeros(len(batch), max(map(len, batch)), dtype=torch.long)
-            for i, s in enumerate(batch):
-                ids[i, : len(s)] = torch.tensor(s)  # right padding: causal, so real positions never see it
+            ids = right_pad(batch, 0)  # causal: real positions never see the padding
             states = target_states(target, ids.to(device), tap_layers).to("cpu", STORED_DTYPE)
             pieces += [states[i, : len(s)] for i, s in enumerate(batch)]
         offsets = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)

@@ -36,6 +36,7 @@ class DrafterConfig:
 def default_target_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
     """DFlash's choice: `num_taps` layers evenly spaced from layer 1 to L-3 (1, 9, 17, 25, 33 of 36),
     or the middle layer for a single tap. Tiny targets, where rounding repeats a layer, get it once."""
+    num_taps = min(num_taps, num_target_layers)
     if num_taps == 1:
         return (num_target_layers // 2,)
     first, last = 1, max(1, num_target_layers - 3)

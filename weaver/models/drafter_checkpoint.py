@@ -30,7 +30,7 @@ def new_drafter_config(
 ) -> Qwen3Config:
     """A DFlash-format config for a fresh drafter sized to `target` (hidden size and vocab are the target's)."""
     t = target.cfg
-    layers = target_layer_ids or default_target_layers(t.num_layers, min(num_taps, t.num_layers))
+    layers = target_layer_ids or default_target_layers(t.num_layers, num_taps)
     config = Qwen3Config(
         vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_hidden_layers=num_layers,
         intermediate_size=intermediate_size or t.intermediate_size, num_attention_heads=num_heads or t.num_heads,

@@ -121,7 +121,8 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
                   cfg.seed, desc="weaver")
     adapter = adapter.float().cpu().eval()
     summary = {"params": n_params, **metrics}
-    write_artifact(accelerator, lambda out: save_adapter(adapter, out), out_dir, summary, f"weaver: final loss {metrics['loss']:.3f}; TV to the target on the pool {metrics['tv']:.3f} "
-          f"(drafter prior {metrics['tv_prior']:.3f}); top-1 {metrics['acc']:.2f} (prior {metrics['acc_prior']:.2f}); "
-          f"pool coverage {metrics['coverage']:.2f}")
+    write_artifact(accelerator, lambda out: save_adapter(adapter, out), out_dir, summary,
+                   f"weaver: final loss {metrics['loss']:.3f}; TV to the target on the pool {metrics['tv']:.3f} "
+                   f"(drafter prior {metrics['tv_prior']:.3f}); top-1 {metrics['acc']:.2f} "
+                   f"(prior {metrics['acc_prior']:.2f}); pool coverage {metrics['coverage']:.2f}")
     return summary

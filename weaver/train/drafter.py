@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from weaver.data.states import StoredStates, target_states
+from weaver.data.states import StoredStates, right_pad
 from weaver.errors import WeaverError
 from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config, save_drafter
@@ -29,11 +29,8 @@ from weaver.train.target import init_weights
 def pad_sequences(rows: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids (N, L), lengths (N,), prompt lengths (N,)) of prompt + response, right-padded."""
     seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
-    ids = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
     lengths = torch.tensor([len(s) for s in seqs])
-    return ids, lengths, torch.tensor([len(r["prompt_ids"]) for r in rows])
+    return right_pad(seqs, pad_id), lengths, torch.tensor([len(r["prompt_ids"]) for r in rows])
 
 
 def sample_anchors(lengths: torch.Tensor, prompt_lengths: torch.Tensor, per_seq: int, generator: torch.Generator) -> torch.Tensor:
@@ -63,7 +60,9 @@ def taps_and_hidden(target: TargetModel, ids: torch.Tensor, tap_layers: tuple[in
                     states: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The target's tapped states and final-norm states (N, L, H) over ids: stored ones, or computed now."""
     if states is None:
-        states = target_states(target, ids, tap_layers)
+        with torch.no_grad():  # not inference_mode: the drafter's backward saves the taps as inputs
+            out = target(ids, tap_layers=tap_layers, logits_to_keep=0)
+        return out.taps, out.hidden
     states = states.to(target.embed.weight)
     return list(states[:, :, :-1].unbind(2)), states[:, :, -1]
 
