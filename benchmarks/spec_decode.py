@@ -1,48 +1,63 @@
 """Speculative decoding speed, side by side in one process: our AR decode (the eval baseline, compiled
-unless eval.compile=false) and each method@budget on the same prompts, interleaved over --repeats rounds
-so that drifts in machine load hit all of them alike; medians over rounds.
+unless eval.compile=false, same dtype and threads) and each method@budget on the same prompts, interleaved
+over --repeats rounds so that drifts in machine load hit all of them alike; medians over rounds.
 
-    python benchmarks/spec_decode.py +experiment=tiny --runs chain:15 ddtree:16 weaver:8 weaver:16
-    python benchmarks/spec_decode.py +experiment=tiny eval.datasets=[humaneval] eval.n_prompts=4
+    python benchmarks/spec_decode.py +experiment=tiny --runs chain:15 ddtree:16 weaver:8 weaver:auto
+    python benchmarks/spec_decode.py +experiment=smollm2 --best --out outputs/smollm2/speed.json eval.n_prompts=2
 
-Arguments other than the options are eval.py overrides (prompt sets, n_prompts, max_new_tokens, ...).
-A round decodes every prompt of every dataset once per run. The table gives the median tokens/s, the
-median of the per-round ratios to AR and to the first --runs entry (the baseline), and τ. At temperature
-0 every run's tokens must equal eager greedy AR decoding's (checked; the timed AR may be compiled).
+--best sweeps every budget of eval.budgets (and the chain's block, plus `auto` where eval.budgets has it)
+for each of --methods and marks each method's best. Arguments other than the options are eval.py
+overrides (prompt sets, n_prompts, max_new_tokens, ...). A round decodes every prompt of every dataset
+once per run. The table gives τ, median tokens/s, the medians of the per-round ratios to AR and to the
+chain (the chain's best run), efficiency (speedup over AR / τ: the share of τ that reaches wall-clock), and
+where a step's time goes (`weaver.engine.PHASES`; other = prefill and the loop's bookkeeping). At
+temperature 0 every run's tokens must equal eager greedy AR decoding's (checked; the timed AR may be compiled).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 from tqdm.auto import tqdm
 
 from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
-from weaver.eval.run import load_models, run_ar, run_speculative, warm_up
+from weaver.eval.run import METHODS, SHARES, load_models, run_ar, run_speculative, warm_up
+from weaver.io import atomic_write_text
 from weaver.pipeline import ROOT_CONF
 
 
-def parse_run(text: str) -> tuple[str, int]:
+def parse_run(text: str) -> tuple[str, int | str]:
     method, _, budget = text.partition(":")
-    if not budget.isdigit():
-        raise SystemExit(f"--runs entries are method:budget (e.g. weaver:8), got '{text}'")
-    return method, int(budget)
+    if not (budget.isdigit() or budget == "auto"):
+        raise SystemExit(f"--runs entries are method:budget (e.g. weaver:8 or weaver:auto), got '{text}'")
+    return method, int(budget) if budget.isdigit() else budget
+
+
+def median_ratios(speed: dict[str, list[float]], label: str, base: str) -> float:
+    return statistics.median(a / b for a, b in zip(speed[label], speed[base]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=["chain:15", "ddtree:16", "weaver:8", "weaver:16"])
+    parser.add_argument("--best", action="store_true", help="sweep each of --methods over the eval budgets")
+    parser.add_argument("--methods", nargs="+", default=["chain", "ddtree", "weaver"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", help="write the rows as a JSON list to this file")
     args, overrides = parser.parse_known_args()
-    runs = {label: parse_run(label) for label in args.runs}
-    methods = sorted({method for method, _ in runs.values()})
+    methods = args.methods if args.best else sorted({parse_run(r)[0] for r in args.runs})
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
         cfg = compose("eval", overrides=[*overrides, f"eval.methods=[ar,{','.join(methods)}]"])
     e = cfg.eval
     models, tokenizer = load_models(cfg)
+    runs = ({f"{m}:{b}": (m, b) for m in methods for b in METHODS[m].budgets(cfg, models)} if args.best
+            else {label: parse_run(label) for label in args.runs})
     eos = tokenizer.eos_token_id
     warm_up(models, cfg, eos or 0)
     prompts = [p for name in e.datasets
@@ -50,29 +65,50 @@ def main() -> None:
                                       template_kwargs(cfg))]
 
     speed: dict[str, list[float]] = {label: [] for label in ["ar", *runs]}
-    tau: dict[str, float] = {"ar": 1.0}
+    results: dict[str, list[dict]] = {label: [] for label in runs}
+    reference = None
     for _ in tqdm(range(args.repeats), desc="rounds"):
-        ar = run_ar(models, prompts, cfg, eos)
+        ar = run_ar(models, prompts, cfg, eos, with_reference=reference is None)
+        reference = reference or ar["reference"]
         speed["ar"].append(ar["tokens_per_s"])
         for label, (method, budget) in runs.items():
             result = run_speculative(models, prompts, cfg, eos, method, budget)
-            if e.temperature == 0 and result["outputs"] != ar["reference"]:
+            if e.temperature == 0 and result["outputs"] != reference:
                 sys.exit(f"{label}: greedy tokens differ from AR decoding")
             speed[label].append(result["tokens_per_s"])
-            tau[label] = result["tau"]
+            results[label].append(result)
 
-    baseline = args.runs[0]
-
-    def median_ratio(label: str, base: str) -> float:
-        return statistics.median(a / b for a, b in zip(speed[label], speed[base]))
+    chains = [label for label, (method, _) in runs.items() if method == "chain"]
+    chain = max(chains, key=lambda label: statistics.median(speed[label])) if chains else None
+    best = {method: max((label for label, (m, _) in runs.items() if m == method), key=lambda label: statistics.median(speed[label]))
+            for method in {m for m, _ in runs.values()}}
+    rows = [{"run": "ar", "method": "ar", "budget": None, "tau": 1.0, "tokens_per_s": statistics.median(speed["ar"]),
+             "vs_ar": 1.0, "vs_chain": median_ratios(speed, "ar", chain) if chain else None, "efficiency": 1.0}]
+    for label, (method, budget) in runs.items():
+        vs_ar, tau = median_ratios(speed, label, "ar"), statistics.median(r["tau"] for r in results[label])
+        rows.append({
+            "run": label, "method": method, "budget": budget, "tau": tau, "tokens_per_s": statistics.median(speed[label]),
+            "vs_ar": vs_ar, "vs_chain": median_ratios(speed, label, chain) if chain else None, "efficiency": vs_ar / tau,
+            "best": best[method] == label, "mean_budget": statistics.median(r["mean_budget"] for r in results[label]),
+            **{k: statistics.median(r[k] for r in results[label]) for k in SHARES},
+        })
 
     print(f"{cfg.experiment}: {len(prompts)} prompts ({', '.join(e.datasets)}) x {e.max_new_tokens} new tokens, "
-          f"temperature {e.temperature}, AR {'compiled' if e.compile else 'eager'}, median of {args.repeats} rounds")
-    print(f"| run | τ | tokens/s | vs AR | vs {baseline} |")
-    print("|---|---|---|---|---|")
-    for label in speed:
-        print(f"| {label} | {tau[label]:.2f} | {statistics.median(speed[label]):.1f} | {median_ratio(label, 'ar'):.2f}x "
-              f"| {median_ratio(label, baseline):.2f}x |")
+          f"temperature {e.temperature}, AR {'compiled' if e.compile else 'eager'}, median of {args.repeats} rounds, "
+          f"cpu {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
+    print("| run | τ | tokens/s | vs AR | vs chain | efficiency | draft | search | verify | accept | commit | other |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        name = f"**{r['run']}**" if r.get("best") and args.best else r["run"]
+        if r["budget"] == "auto":
+            name += f" (mean budget {r['mean_budget']:.1f})"
+        split = " | ".join(f"{r[k]:.0%}" if k in r else "" for k in SHARES)
+        vs_chain = f"{r['vs_chain']:.2f}x" if r["vs_chain"] is not None else "-"
+        print(f"| {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | {vs_chain} | "
+              f"{r['efficiency']:.2f} | {split} |")
+    if args.out:
+        atomic_write_text(Path(args.out), json.dumps(rows, indent=1) + "\n")
+        print(f"rows: {args.out}")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def path_alone_logprobs(adapter, target, logits, hidden, target_hidden, path: li
     """The adapter's distribution for the children of the last node of `path`, scoring the path as a chain."""
     D = len(path)
     pool_logits, pool_tokens = draft_pools(logits, adapter.cfg.pool_size)
-    cache = adapter.start(adapter.prefix(target_hidden[None], hidden[None]))
+    cache = adapter.start(adapter.prefix(target_hidden[None], hidden[None]), capacity=D)
     causal = torch.ones(D, D, dtype=torch.bool).tril()[None]
     states = adapter(adapter.node_inputs(target, torch.tensor(path))[None], torch.arange(D), cache, causal)[0, -1]
     k = D - 1
@@ -76,6 +76,21 @@ def test_incremental_tree_scoring_equals_each_path_alone(target, drafter, per_ca
         path = tree.tokens[tree.path_to(node)].tolist()
         alone = path_alone_logprobs(adapter, target, logits, hidden, target_hidden, path)
         torch.testing.assert_close(probs, alone, atol=1e-5, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_compiled_search_step_builds_the_eager_tree(target, drafter):
+    """`WeaverAdapter.scorer(compiled=True)`: one torch.compile graph (dynamic shapes) for every wave size
+    and budget, the same trees as the eager adapter step."""
+    adapter = make_adapter(target)
+    logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [5, 9, 3, 7])
+    for budget, per_call in ((6, 1), (13, 3)):
+        eager, compiled = (weaver_tree(anchor, budget, adapter, target, logits, hidden, target_hidden, 3, per_call,
+                                       compiled=flag) for flag in (False, True))
+        assert eager.tree.tokens.tolist() == compiled.tree.tokens.tolist()
+        assert eager.tree.parents.tolist() == compiled.tree.parents.tolist()
+        for node, probs in eager.child_probs.items():
+            torch.testing.assert_close(compiled.child_probs[node], probs, atol=1e-5, rtol=1e-4)
 
 
 @torch.inference_mode()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+
+import pytest
 
 from conftest import run_script
 from test_pipeline import ROOT
@@ -24,6 +27,28 @@ def test_speculative_decoding_benchmark_runs(smoke_outputs):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows == ["run", "ar", "chain:3", "weaver:4"]
+
+
+def test_best_budget_sweep_writes_rows(smoke_outputs, tmp_path):
+    out = tmp_path / "speed.json"
+    done = run_script("benchmarks/spec_decode.py", smoke_outputs, "+experiment=smoke", "--best", "--methods", "ddtree",
+                      "--repeats", "1", "--out", str(out), "eval.datasets=[heldout_code]", "eval.n_prompts=1",
+                      "eval.max_new_tokens=8", "eval.compile=false")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["run"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"ar", "ddtree:2", "ddtree:4", "ddtree:auto"}  # the smoke budgets [2, 4, auto]
+    assert sum(r["best"] for r in rows.values() if r["method"] == "ddtree") == 1
+    auto = rows["ddtree:auto"]
+    assert auto["efficiency"] == pytest.approx(auto["vs_ar"] / auto["tau"]) and 1 <= auto["mean_budget"] <= 4
+    assert sum(auto[f"{p}_share"] for p in ("draft", "search", "verify", "accept", "commit", "other")) == pytest.approx(1)
+
+
+def test_verify_cost_benchmark_runs(smoke_outputs):
+    done = run_script("benchmarks/verify_cost.py", smoke_outputs, "+experiment=smoke", "--sizes", "2", "5",
+                      "--context", "16", "--repeats", "1", "eval.compile=false")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["forward", "decode (eager)", "decode (compiled)", "verify 2", "verify 5"]
 
 
 def test_train_precision_benchmark_runs():

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from hf_tiny import VOCAB
-from weaver.builders import chain_tree, ddtree
+from weaver.builders import chain_tree, ddtree, marginal_logprobs
 from weaver.engine import speculative_generate
 from weaver.errors import WeaverError
 from weaver.generate import generate
 from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
+from weaver.search import best_first_reference, best_first_tree
+from weaver.tree import Tree
 
 
 def paths_of(tree) -> set[tuple[int, ...]]:
@@ -70,3 +72,49 @@ def test_tree_sampling_runs_through_the_engine(target, method):
     runs = [speculative_generate(target, drafter, [5, 6, 7], 20, temperature=1.0, method=method, budget=6,
                                  generator=torch.Generator().manual_seed(4))[0] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 20 and all(0 <= t < VOCAB for t in runs[0])
+
+
+def path_dependent(seed: int, vocab: int):
+    """Child log-probs that depend on the node's whole path (like the adapter's), as a token support."""
+    table = (3 * torch.randn(61, vocab, generator=torch.Generator().manual_seed(seed))).log_softmax(-1)
+
+    def child_logprobs(nodes, grown):
+        rows = table[[hash(tuple(grown.path_tokens(n))) % 61 for n in nodes.tolist()]]
+        return rows.topk(min(7, vocab), dim=-1)  # (log-probs, tokens) over a per-node support
+
+    return child_logprobs
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_wave_search_equals_the_heap_reference(seed):
+    """The tensor search and the heap written plainly build the same greedy tree: random budgets, widths,
+    depths, expansion batches, full-vocabulary rows and per-node supports."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, depth = int(torch.randint(3, 40, (1,), generator=gen)), int(torch.randint(1, 7, (1,), generator=gen))
+    budget, width = int(torch.randint(1, 60, (1,), generator=gen)), int(torch.randint(1, 9, (1,), generator=gen))
+    per_call = int(torch.randint(1, 6, (1,), generator=gen))
+    scores = marginal_logprobs(3 * torch.randn(depth, vocab, generator=gen)) if seed % 2 else path_dependent(seed, vocab)
+    fast, slow = (search(5, budget, depth, scores, width, per_call, vocab_size=vocab, device="cpu")
+                  for search in (best_first_tree, best_first_reference))
+    assert fast.tree.tokens.tolist() == slow.tree.tokens.tolist()
+    assert fast.tree.parents.tolist() == slow.tree.parents.tolist()
+    assert fast.child_probs.keys() == slow.child_probs.keys()
+    rebuilt = Tree(fast.tree.tokens, fast.tree.parents)  # the search's own ancestor matrix equals a fresh one
+    assert torch.equal(rebuilt.ancestors, fast.tree.ancestors) and torch.equal(rebuilt.depth, fast.tree.depth)
+    assert len(fast.tree) <= budget + 1 and int(fast.tree.depth.max()) < depth + 1
+
+
+def test_sampled_wave_search_draws_children_without_replacement():
+    """Gumbel-top-k: no repeated sibling, children only from the support, each first child as often as
+    the distribution says (a one-node-per-depth chain: the first draw is a plain sample)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    scores = marginal_logprobs(probs.log()[None].expand(3, -1))
+    gen = torch.Generator().manual_seed(0)
+    firsts = torch.zeros(4)
+    for _ in range(4000):
+        tree = best_first_tree(9, 8, 3, scores, 4, generator=gen, device="cpu").tree
+        for node in range(len(tree)):
+            siblings = tree.tokens[tree.children(node)].tolist()
+            assert len(set(siblings)) == len(siblings)
+        firsts[int(tree.tokens[tree.children(0)[0]])] += 1
+    torch.testing.assert_close(firsts / firsts.sum(), probs, atol=0.025, rtol=0)

@@ -308,6 +308,20 @@ def test_training_forward_with_mask_equals_incremental_drafting(target):
 
 
 @torch.no_grad()
+def test_a_depth_limited_draft_is_the_first_rows_of_the_full_one(target):
+    drafter = Drafter(drafter_config(new_drafter_config(target, 2, 6, MASK, target_layer_ids=(1, 3)))).eval()
+    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    taps = [target_states(target, ids)[i] for i in drafter.cfg.target_layer_ids]
+    cache = drafter.new_cache(1, 16)
+    drafter.extend_context(cache, taps, torch.arange(9)[None])
+    full = drafter.draft(target, cache, torch.tensor([5]), torch.tensor([9]))
+    for depth in (1, 3, 5, 40):
+        limited = drafter.draft(target, cache, torch.tensor([5]), torch.tensor([9]), max_depth=depth)
+        assert limited.logits.shape[1] == min(depth, 5) and torch.equal(limited.hidden, full.hidden)
+        torch.testing.assert_close(limited.logits, full.logits[:, :depth], rtol=0, atol=1e-6)
+
+
+@torch.no_grad()
 def test_unsorted_target_layer_ids_are_honoured_or_refused(target, tmp_path):
     tensors, config = write_dflash_checkpoint(tmp_path / "d", taps=(2, 0))
     drafter = load_drafter(str(tmp_path / "d"), target)

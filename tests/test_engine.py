@@ -64,7 +64,7 @@ class OracleDrafter:
         assert cache.positions == list(range(len(cache.positions))), "context positions are not contiguous"
         assert len(cache.positions) <= cache.max_len
 
-    def draft(self, target, cache, anchor, anchor_position):
+    def draft(self, target, cache, anchor, anchor_position, max_depth=None):
         B, P = self.cfg.block_size, int(anchor_position)
         assert len(cache.positions) == P, "the context must cover exactly the positions before the anchor"
         assert int(anchor) == self.sequence[P], "the anchor is not the committed token at its position"
@@ -76,7 +76,7 @@ class OracleDrafter:
             self.corrupted += 1
         logits = torch.randn(1, B - 1, VOCAB)
         logits[0, torch.arange(B - 1), torch.tensor(tokens)] = 10.0
-        return Draft(logits, torch.zeros(1, B - 1, self.hidden))
+        return Draft(logits[:, :max_depth], torch.zeros(1, B - 1, self.hidden))
 
 
 @pytest.mark.parametrize("block_size", BLOCKS)

@@ -9,7 +9,7 @@ from conftest import run_script
 
 def test_multirun_jobs_append_to_one_results_file(smoke_outputs, tmp_path):
     done = run_script("eval.py", smoke_outputs, "-m", "+experiment=smoke", f"eval.out_dir={tmp_path}",
-                      "eval.temperature=0,1", "eval.methods=[ar,chain]", "eval.max_new_tokens=16")
+                      "eval.temperature=0,1", "eval.methods=[ar,chain]", "eval.budgets=[4]", "eval.max_new_tokens=16")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert sorted((r["temperature"], r["method"]) for r in rows) == [(0.0, "ar"), (0.0, "chain"), (1.0, "ar"), (1.0, "chain")]

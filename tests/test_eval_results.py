@@ -22,7 +22,7 @@ def row(dataset: str, method: str, budget: int | None, tokens_per_s: float, tau:
         "experiment": "toy", "dataset": dataset, "method": method, "budget": budget, "temperature": 0.0, "tau": tau,
         "tokens_per_s": tokens_per_s, "speedup_vs_ar": None, "n_prompts": 2, "n_tokens": 64, "greedy_match": True,
         "prompt_tokens": 64, "max_new_tokens": 32,
-        **({"draft_share": 0.2, "verify_share": 0.7, "accept_hist": [3, 2, 1, 0]} if speculative else {}), **extra,
+        **({"draft_share": 0.2, "search_share": 0.05, "verify_share": 0.7, "accept_hist": [3, 2, 1, 0]} if speculative else {}), **extra,
     }
 
 
@@ -46,6 +46,12 @@ def test_summary_fills_speedups_keeps_latest_rows_and_adds_macro():
     assert [r["dataset"] for r in summary][-4:] == ["macro"] * 4
 
 
+def test_auto_budget_rows_sort_after_fixed_budgets():
+    rows = summarize(ROWS + [row("code", "ddtree", "auto", 210.0, 2.7, mean_budget=5.5)])
+    code = [(r["method"], r["budget"]) for r in rows if r["dataset"] == "code"]
+    assert code == [("ar", None), ("chain", 3), ("ddtree", 4), ("ddtree", 8), ("ddtree", "auto")]
+
+
 def test_a_single_dataset_has_no_macro_row():
     assert all(r["dataset"] != "macro" for r in summarize(ROWS[:4]))
 
@@ -53,7 +59,7 @@ def test_a_single_dataset_has_no_macro_row():
 def test_markdown_and_csv_summaries(tmp_path):
     summary = write_summary(tmp_path, ROWS)
     md = (tmp_path / "summary.md").read_text()
-    assert "| code | ddtree | 4 | 0 | 2.50 | 200.0 | 2.00x | 20% / 70% | True |" in md
+    assert "| code | ddtree | 4 | 0 | 2.50 | 200.0 | 2.00x | 20% / 5% / 70% | True |" in md
     assert "| macro | chain | 3 | 0 | 1.75 | 125.0 | 1.75x | - | True |" in md
     table = list(csv.DictReader(io.StringIO((tmp_path / "summary.csv").read_text())))
     assert len(table) == len(summary) and table[0]["experiment"] == "toy" and "accept_hist" not in table[0]

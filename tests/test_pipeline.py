@@ -59,8 +59,12 @@ def test_eval_writes_result_rows(smoke_eval):
     chain = rows["heldout_code", "chain", 7]  # the drafter trained by the smoke pipeline, verified losslessly
     assert chain["greedy_match"] is True and chain["tau"] >= 1.0 and chain["speedup_vs_ar"] > 0
     assert sum(chain["accept_hist"]) > 0 and 0 < chain["draft_share"] < 1 and 0 < chain["verify_share"] < 1
+    split = [chain[f"{phase}_share"] for phase in ("draft", "search", "verify", "accept", "commit", "other")]
+    assert all(0 <= share < 1 for share in split[:-1]) and sum(split) == pytest.approx(1)
     assert all(r["greedy_match"] for r in rows.values())  # every builder and budget reproduces AR greedy
-    assert {("ddtree", 2), ("ddtree", 4)} <= {(m, b) for _, m, b in rows}
+    assert {("ddtree", 2), ("ddtree", 4), ("ddtree", "auto"), ("weaver", "auto"), ("chain", "auto")} <= {(m, b) for _, m, b in rows}
+    auto = rows["heldout_code", "weaver", "auto"]  # each step's budget chosen among the smoke candidates 1, 2, 4
+    assert 1 <= auto["mean_budget"] <= 4 and auto["tau"] >= 1
     for name in ("tau_vs_budget.png", "speedup.png", "acceptance.png", "summary.csv", "summary.md"):
         assert (smoke_eval / name).stat().st_size > 0
     assert "| macro | ddtree | 4 |" in (smoke_eval / "summary.md").read_text()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from test_verify_rules import CHI2_CRIT_DF15, V, chi_square, synthetic_problem
-from weaver.builders import best_first_tree, ddtree
+from weaver.builders import ddtree
+from weaver.search import best_first_tree
 from weaver.tree import Tree
 from weaver.verify import recursive_rejection_tree, target_only_tree
 
@@ -54,7 +55,7 @@ def path_dependent_logprobs(seed: int):
     """A draft whose distribution for a node's children depends on the node's whole path (like Weaver's
     conditional), from a fixed random table indexed by a hash of the path."""
     table = torch.softmax(2.0 * torch.randn(97, V, generator=torch.Generator().manual_seed(seed)), -1).log()
-    return lambda nodes, grown: table[[hash(tuple(grown.paths[n])) % 97 for n in nodes]]
+    return lambda nodes, grown: table[[hash(tuple(grown.path_tokens(n))) % 97 for n in nodes.tolist()]]
 
 
 @pytest.mark.parametrize("temperature,width,per_call", [(1.0, 2, 1), (0.8, 3, 2)])

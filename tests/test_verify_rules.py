@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weaver.builders import best_first_tree, marginal_logprobs
+from weaver.builders import marginal_logprobs
+from weaver.search import best_first_tree
 from weaver.tree import Tree
 from weaver.verify import greedy_chain, recursive_rejection_tree
 

@@ -12,26 +12,53 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weaver.budget import BudgetPlanner
 from weaver.errors import WeaverError
-from weaver.builders import Proposal, chain_tree, check_budget, ddtree, oracle_tree, weaver_tree
+from weaver.builders import chain_tree, check_budget, ddtree, oracle_tree, weaver_tree
 from weaver.generate import sample_next, until_eos
 from weaver.models.cache import ModelCache
 from weaver.models.adapter import WeaverAdapter, expansion_batch
 from weaver.models.drafter import Draft, Drafter
 from weaver.models.target import TargetModel
+from weaver.search import Proposal
 from weaver.verify import greedy_tree, recursive_rejection_tree, target_only_tree
+
+# Where a step's time goes: the drafter's block, the tree search (the adapter's calls for Weaver), the
+# target's verify pass, the acceptance rule, and committing the path (target cache + drafter context).
+PHASES = ("draft", "search", "verify", "accept", "commit")
 
 
 @dataclass
 class SpecStats:
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    budgets: list[int] = field(default_factory=list)  # each step's budget (it varies with budget: auto)
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     @property
     def tau(self) -> float:
         """Committed tokens per target verify step, the bonus token included."""
         return sum(a + 1 for a in self.accepted) / max(1, len(self.accepted))
+
+    @classmethod
+    def merge(cls, stats: list["SpecStats"]) -> "SpecStats":
+        return cls([a for s in stats for a in s.accepted], [b for s in stats for b in s.budgets],
+                   {p: sum(s.seconds[p] for s in stats) for p in PHASES})
+
+
+class PhaseClock:
+    """Adds the wall time since the last lap to a phase. On a GPU each lap synchronises, so that queued
+    work is charged to the phase that queued it (this costs some overlap: profile, don't race, with it)."""
+
+    def __init__(self, seconds: dict[str, float], device: torch.device):
+        self.seconds, self.sync = seconds, torch.cuda.synchronize if device.type == "cuda" else None
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.sync is not None:
+            self.sync()
+        now = time.perf_counter()
+        self.seconds[phase] += now - self.last
+        self.last = now
 
 
 def check_pair(target: TargetModel, drafter: Drafter) -> None:
@@ -67,22 +94,24 @@ class StepInputs:
 def propose(
     method: str, step: StepInputs, budget: int, target: TargetModel, adapter: WeaverAdapter | None = None,
     width: int = 8, nodes_per_call: int | None = None, generator: torch.Generator | None = None,
-    temperature: float = 1.0,
+    temperature: float = 1.0, compiled: bool = False, anytime: bool = False,
 ) -> Proposal:
     """The draft tree of one step (see `weaver.builders`); drawn without replacement when a generator is
     given, else greedy. width: the Weaver search's children per node; nodes_per_call: nodes the Weaver
-    and oracle searches expand per adapter / target call (default ceil(budget / 16))."""
+    and oracle searches expand per adapter / target call (default ceil(budget / 16), or with `anytime`
+    ceil(tree size so far / 16), so that any budget's tree is a prefix of a larger one's: `budget: auto`);
+    compiled: the Weaver search's adapter step through torch.compile."""
     logits = step.draft.logits[0]
     if method == "chain":
         return chain_tree(step.anchor, logits, budget, generator, temperature)
     if method == "ddtree":
         return ddtree(step.anchor, logits, budget, generator, temperature)
-    per_call = nodes_per_call or expansion_batch(budget)
+    per_call = nodes_per_call or (expansion_batch if anytime else expansion_batch(budget))
     if method == "weaver":
         if adapter is None:
             raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
         return weaver_tree(step.anchor, budget, adapter, target, logits, step.draft.hidden[0], step.target_hidden,
-                           width, per_call, generator, temperature)
+                           width, per_call, generator, temperature, compiled)
     if method == "oracle":
         return oracle_tree(step.anchor, budget, len(logits), target, step.cache, generator, temperature, per_call)
     raise WeaverError(f"unknown tree method '{method}'; available: {', '.join(TREE_METHODS)}")
@@ -98,29 +127,34 @@ def speculative_generate(
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
     method: str = "chain",
-    budget: int | None = None,
+    budget: int | BudgetPlanner | None = None,
     adapter: WeaverAdapter | None = None,
     sampling: str = "rrs",
     width: int = 8,
     nodes_per_call: int | None = None,
+    compiled: bool = False,
 ) -> tuple[list[int], SpecStats]:
     """New tokens for one prompt with draft trees, plus acceptance statistics.
 
     method: chain (DFlash), ddtree, weaver (needs `adapter`) or oracle (`weaver.builders`); budget: draft
-    nodes per step (default: block_size - 1). Greedy (temperature 0) follows the target's argmax through
-    a k-best tree. Sampling: `rrs` draws each node's children without replacement from its draft
-    distribution and verifies by recursive rejection sampling; `target_only` verifies the greedy tree by
-    sampling from the target alone. Both are lossless.
+    nodes per step (default: block_size - 1), or a `BudgetPlanner` choosing each step's (`weaver.budget`).
+    Greedy (temperature 0) follows the target's argmax through a k-best tree. Sampling: `rrs` draws each
+    node's children without replacement from its draft distribution and verifies by recursive rejection
+    sampling; `target_only` verifies the greedy tree by sampling from the target alone. Both are lossless. compiled: run the Weaver search's adapter step
+    compiled (`WeaverAdapter.scorer`; trees can differ from eager ones only at float near-ties of the
+    adapter's scores, acceptance is the target's own).
     """
     if not prompt:
         raise WeaverError("every prompt must contain at least one token")
     if sampling not in SAMPLING_RULES:
         raise WeaverError(f"unknown sampling rule '{sampling}'; available: {', '.join(SAMPLING_RULES)}")
+    planner = budget if isinstance(budget, BudgetPlanner) else None
     budget = drafter.cfg.block_size - 1 if budget is None else budget
-    check_budget(budget)
+    max_budget = planner.largest if planner else budget
+    check_budget(max_budget)
     device = target.embed.weight.device
     taps, block = drafter.cfg.target_layer_ids, drafter.cfg.block_size
-    max_len = len(prompt) + max_new_tokens + max(block, budget + 1)
+    max_len = len(prompt) + max_new_tokens + max(block, max_budget + 1)
     cache, context = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
     ids = torch.tensor([prompt], device=device)
     out = target(ids, cache, tap_layers=taps, logits_to_keep=1)
@@ -128,29 +162,39 @@ def speculative_generate(
     anchor, hidden = sample_next(out.logits[:, -1], temperature, generator), out.hidden[0, -1]
     drawn = temperature > 0 and sampling == "rrs"
     new, stats = [int(anchor)], SpecStats()
+    clock = PhaseClock(stats.seconds, device)
     while len(new) < max_new_tokens and new[-1] != eos_token_id:
-        start = time.perf_counter()
-        draft = drafter.draft(target, context, anchor, cache.next_position)
-        proposal = propose(method, StepInputs(int(anchor), draft, hidden, cache), budget, target, adapter, width,
-                           nodes_per_call, generator if drawn else None, temperature if drawn else 1.0)
+        step_budget = planner.next_budget() if planner else budget
+        clock.lap("commit")  # the bookkeeping since the last step
+        step_start = clock.last
+        # a tree of b nodes is at most b deep: the drafter's logits beyond that would go unused
+        draft = drafter.draft(target, context, anchor, cache.next_position, max_depth=step_budget)
+        clock.lap("draft")
+        proposal = propose(method, StepInputs(int(anchor), draft, hidden, cache), step_budget, target, adapter, width,
+                           nodes_per_call, generator if drawn else None, temperature if drawn else 1.0, compiled,
+                           anytime=planner is not None)
         tree = proposal.tree
-        mid = time.perf_counter()
+        clock.lap("search")
         anchor_position = cache.next_position.clone()
         verified, pending = target.verify(tree, cache, taps)
         logits = verified.logits[0]
+        clock.lap("verify")
         if temperature <= 0:
             leaf, bonus = greedy_tree(tree, logits)
         elif drawn:
             leaf, bonus = recursive_rejection_tree(tree, logits, proposal.child_probs, temperature, generator)
         else:
             leaf, bonus = target_only_tree(tree, logits, temperature, generator)
-        target.commit(cache, pending, leaf=leaf)
         path = tree.path_to(leaf)
+        clock.lap("accept")
+        target.commit(cache, pending, leaf=leaf)
         positions = anchor_position[:, None] + torch.arange(len(path), device=device)
         drafter.extend_context(context, [t[:, path] for t in verified.taps], positions)
-        stats.draft_s += mid - start
-        stats.verify_s += time.perf_counter() - mid
-        stats.accepted.append(len(path) - 1)
         new += tree.tokens[path[1:]].tolist() + [bonus]
         anchor, hidden = torch.tensor([bonus], device=device), verified.hidden[0, leaf]
+        stats.accepted.append(len(path) - 1)
+        stats.budgets.append(step_budget)
+        if planner:
+            planner.observe(step_budget, path[1:].tolist(), time.perf_counter() - step_start)
+    clock.lap("commit")
     return until_eos(new[:max_new_tokens], eos_token_id), stats

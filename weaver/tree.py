@@ -29,6 +29,13 @@ class Tree:
     def chain(cls, tokens: torch.Tensor) -> "Tree":
         return cls(tokens, torch.arange(-1, len(tokens) - 1, device=tokens.device))
 
+    @classmethod
+    def with_ancestors(cls, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor) -> "Tree":
+        """A tree whose ancestor matrix its builder already holds (the search grows it node by node)."""
+        tree = cls(tokens, parents)
+        tree.__dict__["ancestors"] = ancestors  # fills the cached property
+        return tree
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -36,10 +43,12 @@ class Tree:
     def ancestors(self) -> torch.Tensor:
         """(T, T) bool: [i, j] when node j is an ancestor of node i or i itself."""
         T = len(self)
+        rows = torch.arange(T, device=self.tokens.device)
         anc = torch.eye(T, dtype=torch.bool, device=self.tokens.device)
-        for i in range(T):  # topological order: a parent's row is final before its children's
-            if self.parents[i] >= 0:
-                anc[i] |= anc[self.parents[i]]
+        up = self.parents
+        while bool((up >= 0).any()):  # one level of ancestors per pass: depth passes in all
+            anc[rows[up >= 0], up[up >= 0]] = True
+            up = torch.where(up >= 0, self.parents[up.clamp(min=0)], up)
         return anc
 
     @cached_property

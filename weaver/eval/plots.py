@@ -41,8 +41,9 @@ def _panels(n: int, title: str, width: float = 4.2, height: float = 3.4) -> tupl
 
 
 def tau_vs_budget(rows: list[dict], title: str = "") -> Figure:
-    """τ (committed tokens per verify step) vs draft nodes per step; chain is a single point at its block."""
-    rows = [r for r in rows if r["budget"] is not None]
+    """τ (committed tokens per verify step) vs draft nodes per step; chain is a single point at its block.
+    Rows with budget `auto` have no fixed budget to plot against: the speedup figure shows them."""
+    rows = [r for r in rows if isinstance(r["budget"], int)]
     datasets = _datasets(rows)
     fig, axes = _panels(len(datasets), title)
     for ax, dataset in zip(axes, datasets):
@@ -88,7 +89,7 @@ def speedup_bars(rows: list[dict], title: str = "") -> Figure:
 
 def acceptance_histograms(rows: list[dict], title: str = "") -> Figure:
     """Share of verify steps by accepted draft tokens, pooled over datasets; each method at its largest budget."""
-    rows = [r for r in rows if r.get("accept_hist") and r["dataset"] != MACRO]
+    rows = [r for r in rows if r.get("accept_hist") and r["dataset"] != MACRO and isinstance(r["budget"], int)]
     series = _series(rows)
     fig = Figure(figsize=(6.5, 3.8), layout="constrained")
     ax = fig.subplots()

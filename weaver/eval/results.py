@@ -27,7 +27,8 @@ KEY_FIELDS = ("experiment", "dataset", "method", "budget", "temperature", "sampl
 BASELINE_FIELDS = ("experiment", "dataset", "temperature", "n_prompts", "prompt_tokens", "max_new_tokens")
 MACRO_FIELDS = ("tau", "tokens_per_s", "speedup_vs_ar")
 SUMMARY_COLUMNS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "tau", "tokens_per_s", "speedup_vs_ar",
-                   "greedy_match", "matches_transformers", "draft_share", "verify_share", "n_prompts", "n_tokens", "prompt_tokens", "max_new_tokens")
+                   "greedy_match", "matches_transformers", "mean_budget", "draft_share", "search_share", "verify_share",
+                   "accept_share", "commit_share", "other_share", "n_prompts", "n_tokens", "prompt_tokens", "max_new_tokens")
 
 
 def _lock(path: Path) -> FileLock:
@@ -95,7 +96,9 @@ def _all(flags: list[bool | None]) -> bool | None:
 
 
 def _order(row: dict) -> tuple:
-    return (row["experiment"], row["temperature"], row["dataset"] == MACRO, row["dataset"], row["method"], row["budget"] or 0)
+    budget = row["budget"]
+    return (row["experiment"], row["temperature"], row["dataset"] == MACRO, row["dataset"], row["method"],
+            budget if isinstance(budget, int) else -1 if budget is None else float("inf"))
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -109,10 +112,10 @@ def _fmt(value, spec: str = "", suffix: str = "") -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| dataset | method | budget | T | τ | tokens/s | speedup vs AR | draft / verify share | greedy match | = transformers |",
+    lines = ["| dataset | method | budget | T | τ | tokens/s | speedup vs AR | draft / search / verify share | greedy match | = transformers |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        shares = f"{r['draft_share']:.0%} / {r['verify_share']:.0%}" if r.get("draft_share") is not None else "-"
+        shares = " / ".join(f"{r[k]:.0%}" for k in ("draft_share", "search_share", "verify_share")) if r.get("search_share") is not None else "-"
         lines.append(f"| {r['dataset']} | {r['method']} | {_fmt(r['budget'])} | {r['temperature']:g} | {r['tau']:.2f} | "
                      f"{_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_ar'], '.2f', 'x')} | {shares} | "
                      f"{_fmt(r.get('greedy_match'))} | {_fmt(r.get('matches_transformers'))} |")

@@ -3,8 +3,11 @@
 Row fields (results.jsonl): experiment, dataset, method, budget, temperature, tau, tokens_per_s,
 speedup_vs_ar, n_prompts, n_tokens, greedy_match (= our eager greedy AR decode's tokens), matches_transformers (= transformers'
 own greedy `generate` on the same weights; with eval.check_transformers), prompt_tokens, max_new_tokens, and for speculative
-methods draft_share, verify_share (shares of decoding time) and accept_hist (verify steps by number of
-accepted draft tokens). tau = committed tokens / target forward passes (1 for autoregressive decoding).
+methods the time split (draft_share, search_share, verify_share, accept_share, commit_share, other_share:
+shares of decoding time, `weaver.engine.PHASES`; other = prefill and the loop's own bookkeeping), mean_budget
+and accept_hist (verify steps by number of accepted draft tokens). tau = committed tokens / target forward
+passes (1 for autoregressive decoding). A budget may be `auto` (`weaver.budget`): each step's budget is chosen
+from eval.auto_budget.candidates by measured cost and running acceptance.
 
 One process loads the models once and runs every dataset x method x budget of its config (so budgets
 share the model load and compilation); a Hydra multirun (`python eval.py -m eval.temperature=0,1`) runs one
@@ -24,8 +27,9 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from weaver.budget import BudgetPlanner, check_budgets, measure_step_costs
 from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
-from weaver.engine import SpecStats, speculative_generate
+from weaver.engine import PHASES, SpecStats, speculative_generate
 from weaver.errors import WeaverError
 from weaver.eval.plots import write_figures
 from weaver.eval.results import append_rows, markdown_table, summarize, write_summary
@@ -35,21 +39,27 @@ from weaver.io import writable_dir
 from weaver.pipeline import load_adapter_for, load_drafter_for, load_target_and_tokenizer, target_folder
 
 Models = dict[str, Any]  # "target", plus whatever the selected methods need ("drafter", ...)
+SHARES = (*(f"{phase}_share" for phase in PHASES), "other_share")  # the time split of a speculative row
 
 
 @dataclass(frozen=True)
 class Method:
     needs: tuple[str, ...]  # models besides the target (keys of MODEL_LOADERS); the drafter comes first
-    budgets: Callable[[DictConfig, Models], list[int | None]]  # the budgets one run measures
+    budgets: Callable[[DictConfig, Models], list[int | str | None]]  # the budgets one run measures
 
 
-def _eval_budgets(cfg: DictConfig, models: Models) -> list[int | None]:
+def _eval_budgets(cfg: DictConfig, models: Models) -> list[int | str | None]:
     return list(cfg.eval.budgets)
+
+
+def _chain_budgets(cfg: DictConfig, models: Models) -> list[int | str]:
+    """The whole block (DFlash), and `auto` (the chain's length chosen per step) when the budgets ask for it."""
+    return [models["drafter"].cfg.block_size - 1] + (["auto"] if "auto" in cfg.eval.budgets else [])
 
 
 METHODS: dict[str, Method] = {
     "ar": Method((), lambda cfg, models: [None]),
-    "chain": Method(("drafter",), lambda cfg, models: [models["drafter"].cfg.block_size - 1]),
+    "chain": Method(("drafter",), _chain_budgets),
     "ddtree": Method(("drafter",), _eval_budgets),
     "weaver": Method(("drafter", "adapter"), _eval_budgets),
     "oracle": Method(("drafter",), _eval_budgets),
@@ -86,11 +96,12 @@ def decode_all(prompts: list[list[int]], decode, desc: str) -> tuple[list[list[i
     return outputs, stats, seconds
 
 
-def run_ar(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None) -> dict:
+def run_ar(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, with_reference: bool = True) -> dict:
     """The timed baseline (compiled unless eval.compile=false) and, at temperature 0, the greedy reference
     every method's tokens are compared with: eager decoding, the same kernels the engine runs. (Inductor's
     fused kernels round differently and can flip near-ties: seen on AVX2-only CPUs; the AR row's own
-    greedy_match says whether the compiled baseline agreed.)"""
+    greedy_match says whether the compiled baseline agreed.) with_reference=False: skip that extra pass
+    (reference None) for a caller that already has it."""
     generator = torch.Generator().manual_seed(cfg.seed)
     e = cfg.eval
     target = models["target"]
@@ -100,33 +111,66 @@ def run_ar(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int |
     )
     reference = outputs
     if e.compile and e.temperature == 0:
-        reference = [generate(target, [p], e.max_new_tokens, 0.0, eos)[0] for p in prompts]
+        reference = [generate(target, [p], e.max_new_tokens, 0.0, eos)[0] for p in prompts] if with_reference else None
     n_tokens = sum(map(len, outputs))
     return {"tau": 1.0, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs,
             "reference": reference}
 
 
-def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, method: str, budget: int) -> dict:
+def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, method: str,
+                    budget: int | str) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed)
     e = cfg.eval
     target, drafter = models["target"], models["drafter"]
-    extra = {name: models[name] for name in METHODS[method].needs if name != "drafter"}
-    search = cfg.weaver.search
-    options = dict(sampling=e.sampling, width=search.children, nodes_per_call=search.nodes_per_call, **extra)
-    outputs, stats, seconds = decode_all(
-        prompts,
-        lambda p: speculative_generate(target, drafter, p, e.max_new_tokens, e.temperature, eos, generator, method,
-                                       budget, **options),
-        f"{method}@{budget}",
-    )
-    total = SpecStats([a for s in stats for a in s.accepted], sum(s.draft_s for s in stats), sum(s.verify_s for s in stats))
+    label = f"{method}@{budget}"
+    if budget == "auto":
+        budget = BudgetPlanner(step_costs(models, cfg, method), e.auto_budget.explore_every)
+    decode = _decoder(models, cfg, method, eos, generator)
+    outputs, stats, seconds = decode_all(prompts, lambda p: decode(p, budget), label)
+    total = SpecStats.merge(stats)
     n_tokens = sum(map(len, outputs))
+    shares = {f"{phase}_share": total.seconds[phase] / seconds for phase in PHASES}
     return {
         "tau": total.tau, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs,
-        "draft_share": total.draft_s / seconds,
-        "verify_share": total.verify_s / seconds,
+        **shares, "other_share": 1 - sum(shares.values()),
+        "mean_budget": sum(total.budgets) / max(1, len(total.budgets)),
         "accept_hist": torch.bincount(torch.tensor(total.accepted, dtype=torch.long), minlength=drafter.cfg.block_size).tolist(),
     }
+
+
+def _decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, generator: torch.Generator | None,
+             temperature: float | None = None, max_new_tokens: int | None = None):
+    """decode(prompt, budget) -> (tokens, SpecStats) with the method's models and the eval settings."""
+    e = cfg.eval
+    extra = {name: models[name] for name in METHODS[method].needs if name != "drafter"}
+    search = cfg.weaver.search
+    options = dict(sampling=e.sampling, width=search.children, nodes_per_call=search.nodes_per_call, compiled=e.compile,
+                   **extra)
+    temperature = e.temperature if temperature is None else temperature
+    max_new_tokens = max_new_tokens or e.max_new_tokens
+    return lambda prompt, budget: speculative_generate(models["target"], models["drafter"], prompt, max_new_tokens,
+                                                       temperature, eos, generator, method, budget, **options)
+
+
+def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]:
+    """Seconds per speculative step at each candidate budget of eval.auto_budget for `method`, measured once
+    per process on a fixed pseudo-random prompt of eval.prompt_tokens tokens (a chain's candidates stop at
+    the block)."""
+    costs = models.setdefault("step_costs", {})
+    if method not in costs:
+        auto = cfg.eval.auto_budget
+        candidates = [b for b in auto.candidates if method != "chain" or b < models["drafter"].cfg.block_size]
+        vocab = models["target"].cfg.vocab_size
+        prompt = torch.randint(vocab, (cfg.eval.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+        decode = _decoder(models, cfg, method, None, torch.Generator().manual_seed(0), max_new_tokens=auto.probe_tokens)
+
+        def step_seconds(budget: int) -> list[float]:
+            stats = decode(prompt, budget)[1]
+            return [sum(stats.seconds.values()) / len(stats.accepted)]
+
+        costs[method] = measure_step_costs(step_seconds, candidates, auto.repeats)
+        print(f"budget auto, {method}: ms per step " + ", ".join(f"{b}: {1e3 * c:.1f}" for b, c in costs[method].items()))
+    return costs[method]
 
 
 @torch.inference_mode()
@@ -163,14 +207,15 @@ def warm_up(models: Models, cfg: DictConfig, token: int) -> None:
         speculative_generate(models["target"], models["drafter"], [token] * 4, 4)
     if "adapter" in models:
         speculative_generate(models["target"], models["drafter"], [token] * 4, 4, method="weaver", budget=4,
-                             adapter=models["adapter"])
+                             adapter=models["adapter"], compiled=cfg.eval.compile)
 
 
 def check_names(cfg: DictConfig) -> None:
-    """Refuse unknown methods and datasets before anything slow happens."""
+    """Refuse unknown methods and datasets, and malformed budgets, before anything slow happens."""
     unknown = [m for m in cfg.eval.methods if m not in METHODS] + [d for d in cfg.eval.datasets if d not in cfg.prompt_sets]
     if unknown:
         raise WeaverError(f"unknown method/dataset {unknown}; methods: {list(METHODS)}, datasets: {list(cfg.prompt_sets)}")
+    check_budgets(list(cfg.eval.budgets))
 
 
 def result_row(cfg: DictConfig, dataset: str, method: str, budget: int | None, r: dict, ar: dict | None,
@@ -184,7 +229,7 @@ def result_row(cfg: DictConfig, dataset: str, method: str, budget: int | None, r
         "greedy_match": r["outputs"] == ar["reference"] if ar and e.temperature == 0 else None,
         "matches_transformers": r["outputs"] == reference if reference is not None else None,
         "prompt_tokens": e.prompt_tokens, "max_new_tokens": e.max_new_tokens,
-        **{k: r[k] for k in ("draft_share", "verify_share", "accept_hist") if k in r},
+        **{k: r[k] for k in (*SHARES, "mean_budget", "accept_hist") if k in r},
     }
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,15 +62,20 @@ class AdapterConfig:
 
 
 class AdapterCache:
-    """Keys/values of the prefix memory and of every node scored so far in this step, per layer."""
+    """Keys/values per layer: the prefix memory, then `capacity` node slots (a node's slot is its index in
+    the tree under search, so attention masks are rows of the tree's ancestor matrix)."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        self.keys, self.values = keys, values
-        self.prefix_len = keys[0].shape[2]
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int):
+        self.prefix_len, self.capacity, self.length = keys[0].shape[2], capacity, 0
+        empty = lambda t: t.new_zeros(*t.shape[:2], capacity, t.shape[3])  # noqa: E731
+        self.keys = [torch.cat([k, empty(k)], dim=2) for k in keys]
+        self.values = [torch.cat([v, empty(v)], dim=2) for v in values]
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
-        self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put new nodes' keys/values (N, H, T, d) at node slots (T,); all of the layer's keys/values.
+        Out of place: training backpropagates through it."""
+        self.keys[layer] = self.keys[layer].index_copy(2, self.prefix_len + slots, k)
+        self.values[layer] = self.values[layer].index_copy(2, self.prefix_len + slots, v)
         return self.keys[layer], self.values[layer]
 
 
@@ -92,6 +98,7 @@ class WeaverAdapter(nn.Module):
         self.candidate = nn.Linear(H, cfg.rank, bias=False)  # P, applied to lm_head rows
         self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
         self._table: tuple[TargetModel, torch.Tensor] | None = None  # (target, P lm_head), eval mode only
+        self._compiled_scorer: Callable[..., torch.Tensor] | None = None
         self.reset_scorer()
 
     def reset_scorer(self) -> None:
@@ -113,27 +120,48 @@ class WeaverAdapter(nn.Module):
 
     # --- the decoder over nodes ---
 
-    def start(self, prefix: torch.Tensor) -> AdapterCache:
-        """Project the prefix memory's keys/values once per step."""
+    def start(self, prefix: torch.Tensor, capacity: int) -> AdapterCache:
+        """Project the prefix memory's keys/values once per step; room for `capacity` nodes after it."""
         rope = self.rope(torch.arange(prefix.shape[1], device=prefix.device)[None])
         kv = [layer.attn.keys_values(prefix, *rope) for layer in self.layers]
-        return AdapterCache([k for k, _ in kv], [v for _, v in kv])
+        return AdapterCache([k for k, _ in kv], [v for _, v in kv], capacity)
 
-    def forward(self, x: torch.Tensor, depths: torch.Tensor, cache: AdapterCache, sees: torch.Tensor) -> torch.Tensor:
-        """Out-normed states (N, T, d) of T new nodes, appended to `cache`.
+    def forward(self, x: torch.Tensor, depths: torch.Tensor, cache: AdapterCache, sees: torch.Tensor,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Out-normed states (N, T, d) of T new nodes, written to `cache` at `slots` (T,) (default: the
+        next T slots).
 
-        depths (N, T) or (T,); sees (N or 1, T, nodes already cached + T) bool: which cached and new nodes
-        each new node attends to (its ancestors and itself); every node sees the whole prefix.
+        depths (N, T) or (T,); sees (N or 1, T, capacity) bool: which node slots each new node attends to
+        (its ancestors and itself); every node sees the whole prefix.
         """
         rope = self.rope(depths + 1 if depths.dim() == 2 else (depths + 1)[None])
         N, T = x.shape[:2]
+        if slots is None:
+            slots = torch.arange(cache.length, cache.length + T, device=x.device)
+            cache.length += T
         mask = torch.cat([sees.new_ones(sees.shape[0], T, cache.prefix_len), sees], dim=-1)[:, None]
         for i, layer in enumerate(self.layers):
             h = layer.input_norm(x)
-            k, v = cache.append(i, *layer.attn.keys_values(h, *rope))
+            k, v = cache.write(i, slots, *layer.attn.keys_values(h, *rope))
             x = x + layer.attn.attend(h, rope, k, v, mask)
             x = x + layer.mlp(layer.post_norm(x))
         return self.out_norm(x)
+
+    def score_nodes(self, target: TargetModel, tokens: torch.Tensor, depths: torch.Tensor, sees: torch.Tensor,
+                    slots: torch.Tensor, cache: AdapterCache, pool_logits: torch.Tensor, pool_candidates: torch.Tensor) -> torch.Tensor:
+        """One search wave: pool scores (T, M) of T new tree nodes (tokens, depths, slots (T,); sees (T, capacity)),
+        their keys/values written to `cache`; pool_logits (T, M) / pool_candidates (T, M, r) of their depths."""
+        states = self(self.node_inputs(target, tokens)[None], depths, cache, sees[None], slots)[0]
+        return self.pool_scores(states, pool_logits, pool_candidates)
+
+    def scorer(self, compiled: bool = False) -> Callable[..., torch.Tensor]:
+        """`score_nodes`, eager or compiled once per adapter (dynamic shapes: one graph for every wave size
+        and budget). A wave is about a hundred small ops, so compiling halves a Weaver search on a CPU."""
+        if not compiled:
+            return self.score_nodes
+        if self._compiled_scorer is None:
+            self._compiled_scorer = torch.compile(self.score_nodes, dynamic=True)
+        return self._compiled_scorer
 
     def pool_scores(self, states: torch.Tensor, pool_logits: torch.Tensor, pool_candidates: torch.Tensor) -> torch.Tensor:
         """Scores (..., M) of each node's pool: drafter logit + <P lm_head[c], Q state>.

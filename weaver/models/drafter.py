@@ -45,7 +45,7 @@ def default_target_layers(num_target_layers: int, num_taps: int) -> tuple[int, .
 
 
 class Draft(NamedTuple):
-    logits: torch.Tensor  # (B, block_size - 1, V): marginals for positions anchor+1 .. anchor+B-1
+    logits: torch.Tensor  # (B, D, V): marginals for positions anchor+1 .. anchor+D (D <= block_size - 1)
     hidden: torch.Tensor  # (B, block_size - 1, H): the final-normed states behind them (Weaver's prefix)
 
 
@@ -169,8 +169,12 @@ class Drafter(nn.Module):
             cache.values[i][:, :, cache.length : cache.length + n] = v
         cache.length += n
 
-    def draft(self, target: TargetModel, cache: DrafterCache, anchor: torch.Tensor, anchor_position: torch.Tensor) -> Draft:
-        """The block for positions anchor+1 .. anchor+B-1 given the cached context."""
+    def draft(self, target: TargetModel, cache: DrafterCache, anchor: torch.Tensor, anchor_position: torch.Tensor,
+              max_depth: int | None = None) -> Draft:
+        """The block for positions anchor+1 .. anchor+B-1 given the cached context.
+
+        max_depth: logits for the first `max_depth` positions only (the lm_head over the block is most of a
+        draft's cost; a tree of b nodes never reaches past depth b). The states cover the whole block."""
         x = self.block_inputs(target, anchor)
         positions = anchor_position[:, None] + torch.arange(self.cfg.block_size, device=x.device)
         rope = self.rope(positions)
@@ -178,4 +182,4 @@ class Drafter(nn.Module):
             context_kv = (cache.keys[i][:, :, : cache.length], cache.values[i][:, :, : cache.length])
             x = layer(x, rope, context_kv, None)
         hidden = self.norm(x)[:, 1:]
-        return Draft(target.lm_head(hidden), hidden)
+        return Draft(target.lm_head(hidden[:, :max_depth]), hidden)

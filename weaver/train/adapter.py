@@ -61,7 +61,7 @@ def adapter_loss(
     at = (a + torch.arange(D + 1, device=ids.device)).clamp(max=L - 1)  # x[a .. a+D]
     nodes, labels = ids[rows, at[:, :-1]], ids[rows, at[:, 1:]]  # node k holds x[a+k], its label is x[a+k+1]
     valid = ((a + torch.arange(1, D + 1, device=ids.device)) < lengths[rows]).float()
-    cache = adapter.start(adapter.prefix(hidden[rows[:, 0], a[:, 0] - 1], draft_hidden))
+    cache = adapter.start(adapter.prefix(hidden[rows[:, 0], a[:, 0] - 1], draft_hidden), capacity=D)
     causal = torch.ones(D, D, dtype=torch.bool, device=ids.device).tril()[None]
     node_states = adapter(adapter.node_inputs(target, nodes), torch.arange(D, device=ids.device), cache, causal)
     scores = adapter.pool_scores(node_states, pool_logits, adapter.candidate_table(target)[pool_tokens])

@@ -1,0 +1,80 @@
+"""The target's verify cost against tree size: what a speculative step must pay back.
+
+    python benchmarks/verify_cost.py +experiment=smollm2
+    python benchmarks/verify_cost.py +experiment=tiny --sizes 2 5 9 17 33 --context 100
+
+After a prefill of --context pseudo-random tokens, times `TargetModel.verify` on random trees of each size
+(nothing is committed, so every call sees the same cache) and one-token decode steps, eager and compiled
+(`eval.compile`), interleaved over --repeats rounds; medians. Arguments other than the options are eval.py
+overrides (model, dtype, device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from weaver.eval.run import load_models
+from weaver.pipeline import ROOT_CONF
+from weaver.tree import Tree
+
+
+def random_tree(size: int, vocab: int, generator: torch.Generator) -> Tree:
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, size)]
+    return Tree(torch.randint(vocab, (size,), generator=generator), torch.tensor(parents))
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 3, 5, 9, 17, 33, 65])
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=7)
+    args, overrides = parser.parse_known_args()
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        cfg = compose("eval", overrides=[*overrides, "eval.methods=[ar]"])
+    target = load_models(cfg)[0]["target"]
+    device = target.embed.weight.device
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(target.cfg.vocab_size, (1, args.context), generator=generator).to(device)
+    cache = target.new_cache(1, args.context + max(args.sizes) + 1)
+    target(prompt, cache, logits_to_keep=1)
+    length, position = cache.length, cache.next_position.clone()
+    trees = {size: Tree(t.tokens.to(device), t.parents.to(device))
+             for size in args.sizes for t in [random_tree(size, target.cfg.vocab_size, generator)]}
+    step = target.decode_fn(cfg.eval.compile)
+
+    def timed(run) -> float:
+        cache.length, cache.next_position = length, position.clone()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    runs = {"decode (eager)": lambda: target(prompt[:, :1], cache), "decode (compiled)": lambda: step(prompt[:, :1], cache),
+            **{f"verify {size}": (lambda tree=tree: target.verify(tree, cache)) for size, tree in trees.items()}}
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for label, run in runs.items():  # warm-up: allocation and compilation
+        timed(run)
+    for _ in range(args.repeats):
+        for label, run in runs.items():
+            times[label].append(timed(run))
+    ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+    eager, compiled = ms["decode (eager)"], ms["decode (compiled)"]
+    print(f"{cfg.experiment}: context {args.context}, {target.embed.weight.dtype}, {device}, "
+          f"cpu {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, median of {args.repeats}")
+    print("| forward | ms | / eager decode | / compiled decode |")
+    print("|---|---|---|---|")
+    for label, value in ms.items():
+        print(f"| {label} | {value:.2f} | {value / eager:.2f} | {value / compiled:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

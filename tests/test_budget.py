@@ -1,0 +1,111 @@
+"""`budget: auto`: the counterfactual acceptance it learns from, its choice, and lossless decoding with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_tiny import VOCAB
+from weaver.budget import BudgetPlanner, measure_step_costs
+from weaver.builders import ddtree
+from weaver.engine import speculative_generate
+from weaver.errors import WeaverError
+from weaver.generate import generate
+from weaver.models.drafter import Drafter
+from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
+from weaver.verify import greedy_tree
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_smaller_budget_accepts_the_prefix_of_nodes_within_it(seed):
+    """What the planner assumes: the budget-b tree is the first b nodes of a larger one, so greedy acceptance
+    on it keeps exactly the accepted path's nodes with index <= b."""
+    gen = torch.Generator().manual_seed(seed)
+    draft = 2 * torch.randn(6, 5, generator=gen)
+    target = 2 * torch.randn(64, 5, generator=gen)  # target logits per tree node (any fixed table will do)
+    big = ddtree(0, draft, 40).tree
+    leaf, _ = greedy_tree(big, target[: len(big)])
+    path = big.path_to(leaf)[1:].tolist()
+    for b in range(1, 41):
+        small = ddtree(0, draft, b).tree
+        assert torch.equal(small.tokens, big.tokens[: b + 1])
+        small_leaf, _ = greedy_tree(small, target[: len(small)])
+        assert len(small.path_to(small_leaf)) - 1 == sum(1 for n in path if n <= b)
+
+
+@torch.inference_mode()
+def test_anytime_weaver_trees_are_prefixes_of_larger_ones(target):
+    """With the size-driven expansion schedule `budget: auto` uses, batched adapter calls keep the prefix
+    property: the tree of budget b is the first b nodes of the tree of budget 40."""
+    from test_adapter import make_adapter, step_inputs
+    from weaver.builders import weaver_tree
+    from weaver.models.adapter import expansion_batch
+
+    torch.manual_seed(3)
+    drafter = Drafter(drafter_config(new_drafter_config(target, 1, 8, 2, 2))).eval()
+    adapter = make_adapter(target)
+    logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [5, 9, 3, 7])
+    big = weaver_tree(anchor, 40, adapter, target, logits, hidden, target_hidden, 4, expansion_batch).tree
+    for b in (1, 5, 16, 17, 23, 33):
+        small = weaver_tree(anchor, b, adapter, target, logits, hidden, target_hidden, 4, expansion_batch).tree
+        assert torch.equal(small.tokens, big.tokens[: b + 1]) and torch.equal(small.parents, big.parents[: b + 1])
+
+
+def test_the_planner_picks_the_best_tokens_per_second():
+    planner = BudgetPlanner({2: 1.0, 8: 1.4, 32: 4.0}, explore_every=4)
+    assert planner.next_budget() == 32  # the first step explores the largest candidate
+    planner.observe(32, [1, 3, 9, 20])  # nodes within budget 2: one; within 8: two; within 32: four
+    assert planner.accepted == {2: 1, 8: 2, 32: 4}
+    assert planner.best() == 8  # tokens per second: 2 / 1.0, 3 / 1.4, 5 / 4.0
+    for _ in range(40):
+        planner.observe(8, [1, 2, 5, 7])  # budget 2 would keep two, budget 8 four: 8 still wins
+    accepted = planner.accepted
+    assert accepted[2] == pytest.approx(2, abs=0.05) and accepted[8] == pytest.approx(4, abs=0.05)
+    assert accepted[32] == pytest.approx(accepted[8] + 2)  # the gain 8 -> 32 seen once stays
+    assert planner.best() == 8
+    budgets = [planner.next_budget() for _ in range(8)]
+    assert budgets.count(32) == 2 and budgets.count(8) == 6  # every 4th step explores the next larger one
+
+
+def test_rarely_seen_budgets_borrow_the_frequent_level():
+    """A larger budget seen only on exploration steps moves with the smaller one's fresh estimate."""
+    planner = BudgetPlanner({4: 1.0, 16: 1.5}, explore_every=8)
+    planner.observe(16, [1, 2, 3, 4, 9, 12])  # 4 within budget 4, 6 within 16
+    for _ in range(30):
+        planner.observe(4, [])  # the drafter went bad: nothing accepted
+    assert planner.accepted[4] < 0.2 and planner.accepted[16] == pytest.approx(planner.accepted[4] + 2)
+
+
+def test_measured_steps_correct_a_misjudged_cost():
+    """A start-up probe that made budget 16 look cheap: the steps taken at 16 reveal its real cost."""
+    planner = BudgetPlanner({4: 1.0, 16: 1.1}, explore_every=8)
+    planner.observe(16, [1, 2, 3, 4, 9], seconds=3.0)  # 4 accepted within 4, 5 within 16
+    assert planner.best() == 4  # one measured step moved the cost half way: (1 + 5) / 2.05 < (1 + 4) / 1.0
+    for _ in range(30):
+        planner.observe(16, [1, 2, 3, 4, 9], seconds=3.0)
+    assert planner.costs[16] == pytest.approx(3.0, rel=0.1) and planner.costs[4] == 1.0
+
+
+def test_planner_settings_are_checked():
+    with pytest.raises(WeaverError, match="candidate budgets"):
+        BudgetPlanner({0: 1.0})
+    with pytest.raises(WeaverError, match="explore_every"):
+        BudgetPlanner({4: 1.0}, explore_every=1)
+
+
+def test_step_costs_are_interleaved_medians():
+    calls = []
+    costs = measure_step_costs(lambda b: calls.append(b) or [b / 10, b / 5], [4, 1], repeats=2)
+    assert calls == [4, 1, 4, 1] and costs == {4: pytest.approx(0.6), 1: pytest.approx(0.15)}
+
+
+@pytest.mark.parametrize("method", ["chain", "ddtree"])
+def test_greedy_with_auto_budget_equals_autoregressive(target, method):
+    torch.manual_seed(2)
+    drafter = Drafter(drafter_config(new_drafter_config(target, 1, 8, 2, 2))).eval()
+    planner = BudgetPlanner({1: 1.0, 3: 1.2, 7: 2.0}, explore_every=3)
+    for n in (3, 9):
+        prompt = torch.randint(3, VOCAB, (n,)).tolist()
+        out, stats = speculative_generate(target, drafter, prompt, 40, method=method, budget=planner)
+        assert out == generate(target, [prompt], 40)[0]
+        assert set(stats.budgets) <= {1, 3, 7} and len(stats.budgets) == len(stats.accepted)

@@ -1,0 +1,116 @@
+"""`budget: auto`: each step's draft budget chosen to maximise expected committed tokens per second.
+
+Cost: the seconds one speculative step takes at budget b (draft, search, verify, accept, commit),
+measured on this machine for every candidate budget at start-up (`measure_step_costs`) and then updated
+from the steps decoding actually takes, so the choice follows the hardware: a CPU whose verify cost
+grows fast with the tree picks small trees, a GPU large ones.
+
+Acceptance: the search takes nodes best first, so the tree of budget b is the first b nodes of a larger
+tree (with `auto` the nodes per expansion call follow the tree's size, not the budget, so this holds for
+Weaver's batched calls too), and the path the acceptance rule walks in it is the walked path's prefix of nodes with
+index <= b (indices grow along a path; greedy, RRS and target-only decisions at the nodes both trees
+share are the same). One step verified at budget B therefore shows what every budget <= B would have
+accepted. The planner keeps running means of the accepted drafts at the smallest candidate and of the
+gain from each candidate to the next (both read from the same steps, so the rarely seen larger budgets
+are estimated consistently with the frequently seen smaller ones), and picks
+argmax (1 + E[accepted(b)]) / cost(b); every `explore_every` steps it verifies at the next larger
+candidate, so the estimates above the current choice stay fresh. The first step uses the largest one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+from weaver.errors import WeaverError
+
+
+class BudgetPlanner:
+    def __init__(self, costs: dict[int, float], explore_every: int = 8, decay: float = 0.9):
+        if not costs or min(costs) < 1:
+            raise WeaverError(f"budget: auto needs candidate budgets >= 1, got {sorted(costs)}")
+        if explore_every < 2:
+            raise WeaverError(f"explore_every must be at least 2, got {explore_every}")
+        self.costs = dict(sorted(costs.items()))
+        self.candidates = list(self.costs)
+        self.explore_every, self.decay = explore_every, decay
+        # running means: accepted drafts at the smallest candidate, and the gain from each candidate to the
+        # next (read from the same steps, so estimates stay consistent when larger budgets are seen rarely)
+        self.base: float | None = None
+        self.gains: list[float | None] = [None] * (len(self.candidates) - 1)
+        self.counts = [0] * len(self.candidates)  # observations behind base, gains[0], gains[1], ...
+        self.step_times = dict.fromkeys(self.candidates, 0)  # measured steps behind each cost
+        self.steps = 0
+
+    @property
+    def largest(self) -> int:
+        return self.candidates[-1]
+
+    @property
+    def accepted(self) -> dict[int, float]:
+        """Expected accepted drafts per candidate, as far as the observed gains reach."""
+        if self.base is None:
+            return {}
+        out, total = {self.candidates[0]: self.base}, self.base
+        for b, gain in zip(self.candidates[1:], self.gains):
+            if gain is None:
+                break
+            total += gain
+            out[b] = total
+        return out
+
+    def best(self) -> int:
+        """The candidate with the highest expected tokens per second (the largest before any step)."""
+        accepted = self.accepted
+        if not accepted:
+            return self.largest
+        return max(accepted, key=lambda b: (1 + accepted[b]) / self.costs[b])
+
+    def next_budget(self) -> int:
+        self.steps += 1
+        best = self.best()
+        if self.steps % self.explore_every == 0:
+            return next((b for b in self.candidates if b > best), best)
+        return best
+
+    def observe(self, budget: int, path: Sequence[int], seconds: float | None = None) -> None:
+        """A verified step at `budget` whose accepted path holds tree nodes `path` (anchor excluded), and
+        what the step cost: the start-up cost of that budget moves toward what decoding measures (a probe
+        on a fixed prompt can misjudge a budget whose trees grow differently on real text)."""
+        if seconds is not None and budget in self.costs:
+            self.step_times[budget] += 1
+            weight = max(1 / (self.step_times[budget] + 1), 1 - self.decay)
+            self.costs[budget] = (1 - weight) * self.costs[budget] + weight * seconds
+        seen = [sum(1 for node in path if node <= b) for b in self.candidates if b <= budget]
+        if not seen:
+            return
+        self.base = self._mean(0, self.base, seen[0])
+        for i in range(len(seen) - 1):
+            self.gains[i] = self._mean(i + 1, self.gains[i], seen[i + 1] - seen[i])
+
+    def _mean(self, slot: int, mean: float | None, value: float) -> float:
+        """The plain mean of the first observations, then an exponential one (recent steps weigh more):
+        a gain seen only on exploration steps converges in a few of them."""
+        self.counts[slot] += 1
+        weight = max(1 / self.counts[slot], 1 - self.decay)
+        return value if mean is None else (1 - weight) * mean + weight * value
+
+
+def measure_step_costs(
+    step_seconds: Callable[[int], Sequence[float]], candidates: Sequence[int], repeats: int = 3
+) -> dict[int, float]:
+    """Median seconds per step at each candidate budget; step_seconds(b) runs a short decode at budget b
+    and returns its steps' times. Candidates are timed in interleaved rounds, so a drift in machine load
+    hits all alike."""
+    times: dict[int, list[float]] = {b: [] for b in candidates}
+    for _ in range(repeats):
+        for b in candidates:
+            times[b] += list(step_seconds(b))
+    return {b: statistics.median(t) for b, t in times.items() if t}
+
+
+def check_budgets(budgets: Sequence[int | str]) -> None:
+    """Config budgets are numbers of draft nodes (at least 1) or `auto`."""
+    bad = [b for b in budgets if b != "auto" and not (isinstance(b, int) and b >= 1)]
+    if bad:
+        raise WeaverError(f"eval.budgets entries are numbers of draft nodes (>= 1) or 'auto', got {bad}")

@@ -1,0 +1,248 @@
+"""Best-first tree search under a node budget (docs/method.md §2.4), in waves of tensor ops.
+
+A slot is the next child of an expanded node; its priority is the node's path score plus the log of
+the mass its child takes. Each wave takes the `nodes_per_call` best slots of the whole tree with one
+top-k, adds their children to the tree with one scatter, and scores the new nodes' own children with one
+`child_logprobs` call (one adapter call for Weaver). Within a node, slot priorities never increase, so
+taking the best slots of the whole table at once is what popping them one by one from a heap gives
+(`best_first_reference`, the readable version, kept beside it and tested equal).
+
+Greedy decoding takes each node's children in order of probability (k-best search). Sampling draws them
+without replacement from the node's distribution, all at once by Gumbel-top-k (a draw in that order has
+the law of successive draws); a slot's priority then uses the mass still undrawn, which depends only on
+the children drawn before it, so whether a child exists never depends on its own value: the condition
+recursive rejection sampling (`weaver.verify.recursive_rejection_tree`) needs.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from weaver.errors import WeaverError
+from weaver.tree import Tree
+
+
+@dataclass
+class Grown:
+    """The tree so far, as the search grows it: node-indexed tensors with room for the whole budget."""
+
+    tokens: torch.Tensor  # (capacity,) long
+    parents: torch.Tensor  # (capacity,) long, -1 for the anchor
+    depths: torch.Tensor  # (capacity,) long, 0 for the anchor
+    scores: torch.Tensor  # (capacity,) float: sum of the path's log-probs
+    ancestors: torch.Tensor  # (capacity, capacity) bool: [i, j] when j is an ancestor of i or i itself
+    size: int = 1
+
+    @classmethod
+    def start(cls, anchor: int, capacity: int, device: torch.device | str) -> "Grown":
+        tokens = torch.zeros(capacity, dtype=torch.long, device=device)
+        tokens[0] = anchor
+        ancestors = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)
+        ancestors[0, 0] = True
+        return cls(tokens, torch.full_like(tokens, -1), torch.zeros_like(tokens),
+                   torch.zeros(capacity, dtype=torch.float32, device=device), ancestors)
+
+    def add(self, parents: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """Append children (parents, tokens, their log-probs): one scatter per field. Returns their node ids."""
+        new = torch.arange(self.size, self.size + len(parents), device=parents.device)
+        self.tokens[new], self.parents[new] = tokens, parents
+        self.depths[new] = self.depths[parents] + 1
+        self.scores[new] = self.scores[parents] + logprobs
+        self.ancestors[new] = self.ancestors[parents]
+        self.ancestors[new, new] = True
+        self.size += len(parents)
+        return new
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Root-to-node tokens (ancestors have smaller indices, so index order is path order)."""
+        return self.tokens[: self.size][self.ancestors[node, : self.size]].tolist()
+
+    def tree(self) -> Tree:
+        n = self.size
+        return Tree.with_ancestors(self.tokens[:n], self.parents[:n], self.ancestors[:n, :n])
+
+
+# child_logprobs(nodes (n,) long, tree so far) -> the children's log-probs of each node: a (n, V) tensor over the
+# vocabulary, or (logprobs, tokens), each (n, K), over a support of K tokens per row
+ChildLogProbs = Callable[[torch.Tensor, Grown], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+
+
+@dataclass
+class Proposal:
+    tree: Tree
+    expansions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]  # (nodes, log-probs, tokens or None)
+    vocab_size: int | None  # needed only for supports given as tokens
+
+    @functools.cached_property
+    def child_probs(self) -> dict[int, torch.Tensor]:
+        """Expanded node -> (V,) distribution its children were taken from (what acceptance reads)."""
+        probs: dict[int, torch.Tensor] = {}
+        for nodes, logprobs, support in self.expansions:
+            p = logprobs.float().exp()
+            if support is not None:
+                p = p.new_zeros(len(p), self.vocab_size).scatter_(1, support, p)
+            probs.update(zip(nodes.tolist(), p))
+        return probs
+
+
+def ranked_children(logprobs: torch.Tensor, width: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, log mass), each (n, w): the support indices of each row's first w children and the log of the
+    mass each child's slot takes (greedy: its probability; sampled: the mass still undrawn before it)."""
+    w = min(width, logprobs.shape[-1])
+    if generator is None:
+        logp, order = logprobs.topk(w, dim=-1)
+        return order, logp
+    uniform = torch.rand(logprobs.shape, generator=generator, device=generator.device).to(logprobs.device)
+    order = (logprobs - (-uniform.log()).log()).topk(w, dim=-1).indices  # Gumbel-top-k
+    drawn = logprobs.gather(1, order).exp()
+    undrawn = logprobs.exp().sum(-1, keepdim=True) - (drawn.cumsum(-1) - drawn)
+    return order, torch.where((undrawn > 1e-12) & (drawn > 0), undrawn.clamp_min(1e-12).log(), -math.inf)
+
+
+class Slots:
+    """Every expanded node's children not yet in the tree: (node, k) -> priority, token, log-prob."""
+
+    def __init__(self, capacity: int, width: int, device: torch.device | str):
+        self.priority = torch.full((capacity, width), -math.inf, device=device)
+        self.tokens = torch.zeros(capacity, width, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(capacity, width, device=device)
+
+    def fill(self, nodes: torch.Tensor, priority: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        w = priority.shape[1]
+        self.priority[nodes, :w], self.tokens[nodes, :w], self.logprobs[nodes, :w] = priority, tokens, logprobs
+
+    def take_best(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(parents, tokens, log-probs) of the n best slots (fewer when fewer are left), best first."""
+        flat = self.priority.view(-1)
+        values, index = flat.topk(min(n, len(flat)))
+        index = index[values > -math.inf]
+        flat[index] = -math.inf
+        node, k = index // self.priority.shape[1], index % self.priority.shape[1]
+        return node, self.tokens[node, k], self.logprobs[node, k]
+
+
+def best_first_tree(
+    anchor: int, budget: int, max_depth: int, child_logprobs: ChildLogProbs, width: int,
+    nodes_per_call: int | Callable[[int], int] = 1, generator: torch.Generator | None = None,
+    vocab_size: int | None = None, *, device: torch.device | str,
+) -> Proposal:
+    """The tree of at most `budget` draft nodes below `anchor` (node 0), nodes in the order taken.
+
+    generator None: greedy (k-best) order; otherwise children are drawn without replacement.
+    nodes_per_call: nodes per expansion wave, or a function of the tree's size so far (a schedule that does
+    not depend on the budget keeps the budget-b tree equal to the first b nodes of any larger one).
+    vocab_size: needed when `child_logprobs` returns supports rather than vocabulary rows.
+    device: where the tree and the search live (the target's).
+    """
+    grown, slots = Grown.start(anchor, budget + 1, device), Slots(budget + 1, width, device)
+    expansions = []
+
+    def expand(nodes: torch.Tensor) -> None:
+        nodes = nodes[grown.depths[nodes] < max_depth]
+        if len(nodes) == 0:
+            return
+        out = child_logprobs(nodes, grown)
+        logprobs, support = (out, None) if isinstance(out, torch.Tensor) else out
+        if support is not None and vocab_size is None:
+            raise WeaverError("best_first_tree needs vocab_size when child_logprobs returns token supports")
+        logprobs = logprobs.float()
+        order, log_mass = ranked_children(logprobs, width, generator)
+        tokens = order if support is None else support.gather(1, order)
+        slots.fill(nodes, grown.scores[nodes, None] + log_mass, tokens, logprobs.gather(1, order))
+        expansions.append((nodes, logprobs, support))
+
+    expand(torch.zeros(1, dtype=torch.long, device=device))
+    while grown.size <= budget:
+        per_call = nodes_per_call(grown.size) if callable(nodes_per_call) else nodes_per_call
+        parents, tokens, logprobs = slots.take_best(min(per_call, budget + 1 - grown.size))
+        if len(parents) == 0:
+            break
+        new = grown.add(parents, tokens, logprobs)
+        if grown.size <= budget:
+            expand(new)
+    return Proposal(grown.tree(), expansions, vocab_size)
+
+
+def best_first_reference(
+    anchor: int, budget: int, max_depth: int, child_logprobs: ChildLogProbs, width: int,
+    nodes_per_call: int | Callable[[int], int] = 1, generator: torch.Generator | None = None,
+    vocab_size: int | None = None, *, device: torch.device | str,
+) -> Proposal:
+    """`best_first_tree` written plainly: a heap of slots popped one at a time, each sampled child drawn
+    by its own `torch.multinomial`. Greedy trees equal the fast search's (tests/test_builders.py)."""
+    grown = Grown.start(anchor, budget + 1, device)
+    heap: list[tuple[float, int, int]] = []  # (-priority, tie-break, node whose next child this slot is)
+    tie_break = itertools.count()
+    children: dict[int, _Children] = {}
+    expansions = []
+
+    def push_slot(node: int) -> None:
+        log_mass = children[node].next_log_mass()
+        if log_mass is not None and log_mass > -math.inf:
+            heapq.heappush(heap, (-(float(grown.scores[node]) + log_mass), next(tie_break), node))
+
+    def expand(nodes: list[int]) -> None:
+        nodes = [n for n in nodes if int(grown.depths[n]) < max_depth]
+        if not nodes:
+            return
+        ids = torch.tensor(nodes, device=device)
+        out = child_logprobs(ids, grown)
+        logprobs, support = (out, None) if isinstance(out, torch.Tensor) else out
+        expansions.append((ids, logprobs.float(), support))
+        for j, n in enumerate(nodes):
+            children[n] = _Children(logprobs[j].float().cpu(), None if support is None else support[j].cpu(),
+                                    width, generator)
+            push_slot(n)
+
+    expand([0])
+    while heap and grown.size <= budget:
+        new: list[int] = []
+        per_call = nodes_per_call(grown.size) if callable(nodes_per_call) else nodes_per_call
+        while heap and len(new) < per_call and grown.size <= budget:
+            _, _, parent = heapq.heappop(heap)
+            token, logprob = children[parent].take()
+            new.append(grown.size)
+            grown.add(torch.tensor([parent], device=device), torch.tensor([token], device=device),
+                      torch.tensor([logprob], device=device))
+            push_slot(parent)
+        if grown.size <= budget:
+            expand(new)
+    return Proposal(grown.tree(), expansions, vocab_size)
+
+
+class _Children:
+    """The children of one expanded node, one at a time: in order of probability, or drawn without
+    replacement from the node's distribution over its support."""
+
+    def __init__(self, logprobs: torch.Tensor, support: torch.Tensor | None, width: int,
+                 generator: torch.Generator | None):
+        self.logprobs, self.support, self.generator = logprobs, support, generator
+        self.width, self.taken = min(width, len(logprobs)), 0
+        self.ranked = logprobs.argsort(descending=True)
+        self.undrawn = logprobs.exp()
+
+    def next_log_mass(self) -> float | None:
+        """Log of the mass the next child takes (greedy: its probability; sampled: the undrawn mass)."""
+        if self.taken >= self.width:
+            return None
+        if self.generator is None:
+            return float(self.logprobs[self.ranked[self.taken]])
+        mass = float(self.undrawn.sum())
+        return math.log(mass) if mass > 1e-12 else None
+
+    def take(self) -> tuple[int, float]:
+        """(token, log-prob) of the next child."""
+        if self.generator is None:
+            index = int(self.ranked[self.taken])
+        else:
+            index = int(torch.multinomial(self.undrawn, 1, generator=self.generator))
+            self.undrawn[index] = 0.0
+        self.taken += 1
+        return (index if self.support is None else int(self.support[index])), float(self.logprobs[index])
