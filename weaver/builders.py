@@ -74,8 +74,7 @@ def oracle_tree(anchor: int, budget: int, max_depth: int, target, cache, generat
 def weaver_tree(
     anchor: int, budget: int, adapter: WeaverAdapter, target, draft_logits: torch.Tensor, draft_hidden: torch.Tensor,
     target_hidden: torch.Tensor, width: int, nodes_per_call: int | Callable[[int], int],
-    generator: torch.Generator | None = None,
-    temperature: float = 1.0, compiled: bool = False,
+    generator: torch.Generator | None = None, temperature: float = 1.0, compiled: bool = False,
 ) -> Proposal:
     """Best-first over the adapter's path-conditional distributions on the drafter's top-M pools.
 
@@ -88,7 +87,6 @@ def weaver_tree(
     candidates = adapter.candidate_table(target)[pool_tokens]  # (D, M, r), constant for this step
     # adapter-cache slot of a node = its index in the tree, so a node's mask row is its ancestor row
     cache = adapter.start(adapter.prefix(target_hidden[None], draft_hidden[None]), capacity=budget + 1)
-
     score = adapter.scorer(compiled)
 
     def logprobs(nodes: torch.Tensor, grown: Grown) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ from weaver.generate import generate, until_eos
 from weaver.io import writable_dir
 from weaver.pipeline import load_adapter_for, load_drafter_for, load_target_and_tokenizer, target_folder
 
-Models = dict[str, Any]  # "target", plus whatever the selected methods need ("drafter", ...)
+Models = dict[str, Any]  # "target", whatever the selected methods need ("drafter", ...), "step_costs" (budget: auto)
 SHARES = (*(f"{phase}_share" for phase in PHASES), "other_share")  # the time split of a speculative row
 
 
@@ -121,7 +121,7 @@ def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, e
                     budget: int | str) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed)
     e = cfg.eval
-    target, drafter = models["target"], models["drafter"]
+    drafter = models["drafter"]
     label = f"{method}@{budget}"
     if budget == "auto":
         budget = BudgetPlanner(step_costs(models, cfg, method), e.auto_budget.explore_every)
@@ -139,17 +139,16 @@ def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, e
 
 
 def _decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, generator: torch.Generator | None,
-             temperature: float | None = None, max_new_tokens: int | None = None):
+             max_new_tokens: int | None = None):
     """decode(prompt, budget) -> (tokens, SpecStats) with the method's models and the eval settings."""
     e = cfg.eval
     extra = {name: models[name] for name in METHODS[method].needs if name != "drafter"}
     search = cfg.weaver.search
     options = dict(sampling=e.sampling, width=search.children, nodes_per_call=search.nodes_per_call, compiled=e.compile,
                    **extra)
-    temperature = e.temperature if temperature is None else temperature
     max_new_tokens = max_new_tokens or e.max_new_tokens
     return lambda prompt, budget: speculative_generate(models["target"], models["drafter"], prompt, max_new_tokens,
-                                                       temperature, eos, generator, method, budget, **options)
+                                                       e.temperature, eos, generator, method, budget, **options)
 
 
 def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]:

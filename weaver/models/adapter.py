@@ -66,7 +66,7 @@ class AdapterCache:
     the tree under search, so attention masks are rows of the tree's ancestor matrix)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int):
-        self.prefix_len, self.capacity, self.length = keys[0].shape[2], capacity, 0
+        self.prefix_len, self.length = keys[0].shape[2], 0
         empty = lambda t: t.new_zeros(*t.shape[:2], capacity, t.shape[3])  # noqa: E731
         self.keys = [torch.cat([k, empty(k)], dim=2) for k in keys]
         self.values = [torch.cat([v, empty(v)], dim=2) for v in values]
