@@ -54,7 +54,7 @@ def main() -> None:
     folder = args.model or experiment_target(args.experiment)
 
     ours = load_target(folder)
-    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True).eval()
     theirs.generation_config.eos_token_id = None  # decode exactly --new-tokens tokens
     prompt = torch.randint(3, ours.cfg.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
 

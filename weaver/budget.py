@@ -19,17 +19,22 @@ candidate, so the estimates above the current choice stay fresh. The first step 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 
 from weaver.errors import WeaverError
+from weaver.models.config import is_count
 
 
 class BudgetPlanner:
     def __init__(self, costs: dict[int, float], explore_every: int = 8, decay: float = 0.9):
-        if not costs or min(costs) < 1:
-            raise WeaverError(f"budget: auto needs candidate budgets >= 1, got {sorted(costs)}")
-        if explore_every < 2:
+        if not costs or not all(is_count(b) for b in costs):
+            raise WeaverError(f"budget: auto needs candidate budgets that are whole numbers >= 1, got {list(costs)}")
+        bad = {b: c for b, c in costs.items() if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < math.inf}
+        if bad:
+            raise WeaverError(f"budget: auto needs finite step costs in seconds, got {bad}")
+        if not is_count(explore_every, 2):
             raise WeaverError(f"explore_every must be at least 2, got {explore_every}")
         self.costs = dict(sorted(costs.items()))
         self.candidates = list(self.costs)
@@ -102,6 +107,9 @@ def measure_step_costs(
     """Median seconds per step at each candidate budget; step_seconds(b) runs a short decode at budget b
     and returns its steps' times. Candidates are timed in interleaved rounds, so a drift in machine load
     hits all alike."""
+    check_candidates(candidates)
+    if not is_count(repeats):
+        raise WeaverError(f"eval.auto_budget.repeats must be a whole number >= 1, got {repeats!r}")
     times: dict[int, list[float]] = {b: [] for b in candidates}
     for _ in range(repeats):
         for b in candidates:
@@ -111,6 +119,13 @@ def measure_step_costs(
 
 def check_budgets(budgets: Sequence[int | str]) -> None:
     """Config budgets are numbers of draft nodes (at least 1) or `auto`."""
-    bad = [b for b in budgets if b != "auto" and not (isinstance(b, int) and b >= 1)]
+    bad = [b for b in budgets if b != "auto" and not is_count(b)]
     if bad:
         raise WeaverError(f"eval.budgets entries are numbers of draft nodes (>= 1) or 'auto', got {bad}")
+
+
+def check_candidates(candidates: Sequence[int]) -> None:
+    """`budget: auto` candidates (eval.auto_budget.candidates): at least one, each a number of draft nodes >= 1."""
+    if not candidates or not all(is_count(b) for b in candidates):
+        raise WeaverError(f"eval.auto_budget.candidates must be numbers of draft nodes (>= 1) that fit the method's "
+                          f"tree, got {list(candidates)}")

@@ -16,6 +16,7 @@ distributions:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -99,6 +100,38 @@ def weaver_tree(
                            nodes_per_call, generator, vocab_size=draft_logits.shape[-1], device=candidates.device)
 
 
-def check_budget(budget: int) -> None:
+def max_tree_nodes(max_depth: int, branching: int) -> int:
+    """The most draft nodes a tree can hold when it is at most `max_depth` deep and a node has at most
+    `branching` children: branching + branching^2 + ... + branching^max_depth (capped at 2^62)."""
+    total, level = 0, 1
+    for _ in range(max_depth):
+        level *= branching
+        total += level
+        if total >= 2**62:
+            return 2**62
+    return total
+
+
+def budget_limit(method: str, max_depth: int, vocab_size: int, children: int, pool_size: int | None = None) -> tuple[int, str]:
+    """(most draft nodes a step's tree can hold, why) for a method; no larger budget can be filled.
+
+    chain: one node per depth, so the drafter's block (block_size - 1 = max_depth). ddtree and oracle:
+    every path of at most max_depth tokens of the vocabulary. weaver: `children` per node (at most the
+    adapter's pool)."""
+    if method == "chain":
+        return max_depth, f"one node per drafted position, block_size - 1 = {max_depth}"
+    if method == "weaver":
+        branching = min(children, pool_size or children)
+        return max_tree_nodes(max_depth, branching), f"depth {max_depth} x {branching} children per node"
+    return max_tree_nodes(max_depth, vocab_size), f"depth {max_depth} x vocabulary {vocab_size}"
+
+
+def check_budget(budget: int, limit: int | None = None, method: str = "tree", why: str = "") -> None:
+    """A step's budget: a whole number of draft nodes, at least 1, and (given `limit`) no more than the
+    method's tree can hold (`budget_limit`)."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
+        raise WeaverError(f"tree budget must be a whole number of draft nodes (>= 1) or a BudgetPlanner, got {budget!r}")
     if budget < 1:
         raise WeaverError(f"tree budget must be at least 1 draft node, got {budget}")
+    if limit is not None and budget > limit:
+        raise WeaverError(f"budget {budget} is more than a {method} tree can hold: at most {limit} draft nodes ({why})")

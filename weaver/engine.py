@@ -7,6 +7,7 @@ path (rollback-free, docs/method.md §2.6). The drafter's context cache grows by
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -14,14 +15,15 @@ import torch
 
 from weaver.budget import BudgetPlanner
 from weaver.errors import WeaverError
-from weaver.builders import chain_tree, check_budget, ddtree, oracle_tree, weaver_tree
+from weaver.builders import budget_limit, chain_tree, check_budget, ddtree, oracle_tree, weaver_tree
 from weaver.generate import sample_next, until_eos
 from weaver.models.cache import ModelCache
-from weaver.models.adapter import WeaverAdapter, expansion_batch
+from weaver.models.adapter import WeaverAdapter, check_adapter_fits, expansion_batch
+from weaver.models.config import check_prompt, is_count
 from weaver.models.drafter import Draft, Drafter
 from weaver.models.target import TargetModel
 from weaver.search import Proposal
-from weaver.verify import greedy_tree, recursive_rejection_tree, target_only_tree
+from weaver.verify import check_finite, greedy_tree, recursive_rejection_tree, target_only_tree
 
 # Where a step's time goes: the drafter's block, the tree search (the adapter's calls for Weaver), the
 # target's verify pass, the acceptance rule, and committing the path (target cache + drafter context).
@@ -75,10 +77,54 @@ def check_pair(target: TargetModel, drafter: Drafter) -> None:
     bad = [i for i in d.target_layer_ids if not 0 <= i < t.num_layers]
     if bad:
         raise WeaverError(f"drafter taps target layers {bad}, but the target has {t.num_layers} layers")
+    if d.num_target_layers not in (None, t.num_layers):
+        raise WeaverError(f"drafter was made for a target of {d.num_target_layers} layers (num_target_layers), "
+                          f"this target has {t.num_layers}")
 
 
 TREE_METHODS = ("chain", "ddtree", "weaver", "oracle")
 SAMPLING_RULES = ("rrs", "target_only")
+DEFAULT_WIDTH = 8  # the Weaver search's children per node when none is given (at most the adapter's pool)
+
+
+def check_request(
+    target: TargetModel, drafter: Drafter, prompt: list[int], max_new_tokens: int, temperature: float, method: str,
+    budget: "int | BudgetPlanner | None", adapter: WeaverAdapter | None, sampling: str, width: int,
+    nodes_per_call: int | None,
+) -> int:
+    """Refuse a bad speculative request before any model runs, with one clear message; returns the largest
+    budget a step may take. O(len(prompt)) on the host."""
+    if method not in TREE_METHODS:
+        raise WeaverError(f"unknown tree method '{method}'; available: {', '.join(TREE_METHODS)}")
+    if sampling not in SAMPLING_RULES:
+        raise WeaverError(f"unknown sampling rule '{sampling}'; available: {', '.join(SAMPLING_RULES)}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise WeaverError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    check_prompt(target.cfg, prompt, max_new_tokens)
+    if isinstance(drafter, Drafter):
+        check_pair(target, drafter)
+    if not is_count(width):
+        raise WeaverError(f"weaver.search.children must be a whole number >= 1, got {width!r}")
+    if nodes_per_call is not None and not is_count(nodes_per_call):
+        raise WeaverError(f"weaver.search.nodes_per_call must be a whole number >= 1 or null, got {nodes_per_call!r}")
+    depth = drafter.cfg.block_size - 1
+    pool = None
+    if method == "weaver":
+        if adapter is None:
+            raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
+        check_adapter_fits(adapter.cfg, target, depth)
+        pool = adapter.cfg.pool_size
+        if width > pool:
+            raise WeaverError(f"weaver.search.children={width} is more than the adapter's pool of {pool} candidates "
+                              f"per position (weaver.pool_size): at most {pool}")
+    limit, why = budget_limit(method, depth, target.cfg.vocab_size, width, pool)
+    if isinstance(budget, BudgetPlanner):
+        for candidate in budget.candidates:
+            check_budget(candidate, limit, method, why)
+        return budget.largest
+    budget = depth if budget is None else budget
+    check_budget(budget, limit, method, why)
+    return budget
 
 
 @dataclass
@@ -130,7 +176,7 @@ def speculative_generate(
     budget: int | BudgetPlanner | None = None,
     adapter: WeaverAdapter | None = None,
     sampling: str = "rrs",
-    width: int = 8,
+    width: int | None = None,
     nodes_per_call: int | None = None,
     compiled: bool = False,
 ) -> tuple[list[int], SpecStats]:
@@ -140,24 +186,27 @@ def speculative_generate(
     nodes per step (default: block_size - 1), or a `BudgetPlanner` choosing each step's (`weaver.budget`).
     Greedy (temperature 0) follows the target's argmax through a k-best tree. Sampling: `rrs` draws each
     node's children without replacement from its draft distribution and verifies by recursive rejection
-    sampling; `target_only` verifies the greedy tree by sampling from the target alone. Both are lossless. compiled: run the Weaver search's adapter step
-    compiled (`WeaverAdapter.scorer`; trees can differ from eager ones only at float near-ties of the
-    adapter's scores, acceptance is the target's own).
+    sampling; `target_only` verifies the greedy tree by sampling from the target alone. Both are lossless.
+    compiled: run the Weaver search's adapter step compiled (`WeaverAdapter.scorer`; trees can differ from
+    eager ones only at float near-ties of the adapter's scores, acceptance is the target's own). width: the
+    Weaver search's children per node (default 8, or the adapter's pool when smaller).
+
+    Bad input (`check_request`) raises `WeaverError` before any model runs; so do NaN/inf logits of the
+    target or the drafter (and NaN scores of the adapter), naming the step, instead of a wrong token.
     """
-    if not prompt:
-        raise WeaverError("every prompt must contain at least one token")
-    if sampling not in SAMPLING_RULES:
-        raise WeaverError(f"unknown sampling rule '{sampling}'; available: {', '.join(SAMPLING_RULES)}")
+    if width is None:
+        width = min(DEFAULT_WIDTH, adapter.cfg.pool_size) if adapter is not None else DEFAULT_WIDTH
+    max_budget = check_request(target, drafter, prompt, max_new_tokens, temperature, method, budget, adapter, sampling,
+                               width, nodes_per_call)
     planner = budget if isinstance(budget, BudgetPlanner) else None
-    budget = drafter.cfg.block_size - 1 if budget is None else budget
-    max_budget = planner.largest if planner else budget
-    check_budget(max_budget)
+    budget = max_budget
     device = target.embed.weight.device
     taps, block = drafter.cfg.target_layer_ids, drafter.cfg.block_size
     max_len = len(prompt) + max_new_tokens + max(block, max_budget + 1)
     cache, context = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
     ids = torch.tensor([prompt], device=device)
     out = target(ids, cache, tap_layers=taps, logits_to_keep=1)
+    check_finite(out.logits, "the target's logits", f"at the prefill ({len(prompt)} prompt tokens)")
     drafter.extend_context(context, out.taps, torch.arange(len(prompt), device=device)[None])
     anchor, hidden = sample_next(out.logits[:, -1], temperature, generator), out.hidden[0, -1]
     drawn = temperature > 0 and sampling == "rrs"
@@ -168,16 +217,22 @@ def speculative_generate(
         clock.lap("commit")  # the bookkeeping since the last step
         step_start = clock.last
         # a tree of b nodes is at most b deep: the drafter's logits beyond that would go unused
+        step = len(stats.accepted) + 1
         draft = drafter.draft(target, context, anchor, cache.next_position, max_depth=step_budget)
+        check_finite(draft.logits, "the drafter's logits", f"at speculative step {step}")
         clock.lap("draft")
         proposal = propose(method, StepInputs(int(anchor), draft, hidden, cache), step_budget, target, adapter, width,
                            nodes_per_call, generator if drawn else None, temperature if drawn else 1.0, compiled,
                            anytime=planner is not None)
         tree = proposal.tree
+        if method == "weaver":
+            check_finite(torch.cat([lp.flatten() for _, lp, _ in proposal.expansions]), "the Weaver adapter's scores",
+                         f"at speculative step {step}", nan_only=True)
         clock.lap("search")
         anchor_position = cache.next_position.clone()
         verified, pending = target.verify(tree, cache, taps)
         logits = verified.logits[0]
+        check_finite(logits, "the target's logits", f"at speculative step {step} (verify of {len(tree)} tree nodes)")
         clock.lap("verify")
         if temperature <= 0:
             leaf, bonus = greedy_tree(tree, logits)

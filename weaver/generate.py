@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from weaver.errors import WeaverError
+from weaver.models.config import check_prompt
 from weaver.models.target import TargetModel
 
 
@@ -48,6 +49,8 @@ def generate(
 
     compiled: run the single-token steps through `torch.compile` (see `TargetModel.decode_fn`).
     """
+    for prompt in prompts:
+        check_prompt(model.cfg, prompt, max_new_tokens)
     step = model.decode_fn(compiled)
     device = model.embed.weight.device
     ids, mask = left_pad(prompts, pad_id=0, device=device)

@@ -1,4 +1,9 @@
-"""Atomic file and folder writes: a crash never leaves a half-written artifact behind."""
+"""Durable, atomic file and folder writes: a crash (or a power cut) never leaves a half-written artifact.
+
+Everything is written under a temporary name, flushed to disk (`fsync` of each file and of the folders
+that hold them), then renamed into place, and the rename itself is made durable by an fsync of the
+parent folder. A reader therefore sees the old version, or the whole new one, never a torn file.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from typing import Any
 
 from weaver.errors import WeaverError
 
+TMP_MARK = ".tmp-"  # in the name of every temporary sibling: what `remove_stale_temporaries` clears
+
 
 def writable_dir(folder: Path) -> Path:
     """Create `folder` if needed; one clear error if that is impossible or it cannot be written."""
@@ -25,21 +32,61 @@ def writable_dir(folder: Path) -> Path:
     return folder
 
 
+def fsync_path(path: Path) -> None:
+    """Flush one file's or folder's contents (a folder's: its entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under `folder`, bottom up, before the folder is published by a rename."""
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            fsync_path(Path(root) / name)
+        fsync_path(Path(root))
+
+
+def durable_rename(src: Path, dst: Path) -> None:
+    """Rename `src` (already flushed) to `dst`, replacing a file there, and make the rename durable."""
+    os.replace(src, dst)
+    fsync_path(Path(dst).parent)
+
+
+def report_resume(stage: str, shards: list[Path]) -> None:
+    """Say how much of a sharded stage an earlier, killed run finished (its complete shards are kept)."""
+    done = sum(path.exists() for path in shards)
+    if done:
+        print(f"{stage}: resuming, {done} of {len(shards)} shards already done")
+
+
+def remove_stale_temporaries(target: Path) -> None:
+    """Remove temporaries that a killed writer of `target` left beside it (`<name>.tmp-*`)."""
+    for stale in Path(target).parent.glob(f"{Path(target).name}{TMP_MARK}*"):
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink(missing_ok=True)
+
+
 @contextmanager
 def atomic_dir(out_dir: Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder; rename it to `out_dir` only if the block succeeds."""
+    """Yield a temporary sibling folder; flush it and rename it to `out_dir` only if the block succeeds."""
     out_dir = Path(out_dir)
     writable_dir(out_dir.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + TMP_MARK, dir=out_dir.parent))
     try:
         yield tmp
+        fsync_tree(tmp)
         if out_dir.exists():  # replacing an older artifact: move it aside first
             old = tmp.with_name(tmp.name + ".old")
             out_dir.rename(old)
-            tmp.rename(out_dir)
+            durable_rename(tmp, out_dir)
             shutil.rmtree(old)
         else:
-            tmp.rename(out_dir)
+            durable_rename(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -47,11 +94,13 @@ def atomic_dir(out_dir: Path) -> Iterator[Path]:
 def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     writable_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARK, dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.replace(tmp, path)
+            f.flush()
+            os.fsync(f.fileno())
+        durable_rename(Path(tmp), path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

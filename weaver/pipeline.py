@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from weaver.errors import WeaverError
-from weaver.io import atomic_write_json
+from weaver.io import atomic_write_json, remove_stale_temporaries
 
 
 def _package_dir(name: str) -> str:
@@ -206,18 +206,20 @@ def run_stages(cfg: DictConfig) -> dict[str, str]:
             say(f"[{name}] not needed with this config ({stage.unneeded})")
             continue
         out_dir = artifact_dir(cfg, name)
+        work_dir = out_dir.with_name(out_dir.name + ".work")
         if out_dir.exists():
             say(f"[{name}] up to date: {out_dir}")
         else:
             say(f"[{name}] building {out_dir}")
-            work_dir = out_dir.with_name(out_dir.name + ".work")
+            if state.is_main_process:
+                remove_stale_temporaries(out_dir)  # a killed run's half-written folder: never read, now removed
             start = time.perf_counter()
             if stage.distributed or state.is_main_process:
                 stage.run(cfg, out_dir, work_dir)
             _wait_for(out_dir)
-            if state.is_main_process:
-                shutil.rmtree(work_dir, ignore_errors=True)
             say(f"[{name}] built in {time.perf_counter() - start:.1f} s")
+        if state.is_main_process:  # checkpoints and shards: done with (also when a kill came right after the artifact)
+            shutil.rmtree(work_dir, ignore_errors=True)
         done[name] = str(out_dir)
     if state.is_main_process:
         atomic_write_json(Path(cfg.paths.root) / cfg.experiment / "artifacts.json", done)
@@ -249,14 +251,13 @@ def _with_inputs(names: list[str]) -> list[str]:
 def load_target_and_tokenizer(cfg: DictConfig):
     """The experiment's target model (on `cfg.device`, in `model.dtype`) and tokenizer: the trained
     artifact, an HF folder/hub id, or a GGUF."""
-    from transformers import AutoTokenizer
-
-    from weaver.models.checkpoint import load_target
+    from weaver.models.checkpoint import load_target, load_tokenizer
     from weaver.precision import inference_dtype, resolve_device
 
     device = resolve_device(cfg.device)
     folder = target_folder(cfg)
-    return load_target(str(folder), inference_dtype(cfg.model.dtype, device)).to(device), AutoTokenizer.from_pretrained(folder)
+    target = load_target(str(folder), inference_dtype(cfg.model.dtype, device)).to(device)
+    return target, load_tokenizer(folder, target)  # refused if its ids do not fit the target's vocabulary
 
 
 def target_folder(cfg: DictConfig) -> Path:

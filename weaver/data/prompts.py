@@ -165,6 +165,10 @@ def load_prompt_set(cfg: DictConfig, name: str) -> datasets.Dataset:
     spec = cfg.prompt_sets[name]
     if spec.kind not in LOADERS:
         raise WeaverError(f"prompt set '{name}' has unknown kind '{spec.kind}'; kinds: {', '.join(LOADERS)}")
+    for key, minimum in (("size", 1), ("seed", 0)):
+        value = spec.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+            raise WeaverError(f"prompt set '{name}': {key} must be a whole number >= {minimum} or null, got {value!r}")
     rows = LOADERS[spec.kind](spec, cfg)
     return rows if spec.kind == "hub" else _sample(rows, spec)  # hub sets are sampled before field extraction
 
@@ -200,6 +204,9 @@ def encode_prompts(rows: datasets.Dataset, tokenizer, n: int, prompt_tokens: int
     """The first `n` usable prompts of a set as token ids of at most `prompt_tokens` (see the module docstring)."""
     if long_prompts not in LONG_PROMPTS:
         raise WeaverError(f"long_prompts must be one of {LONG_PROMPTS}, not '{long_prompts}'")
+    for name, value in (("n_prompts", n), ("prompt_tokens", prompt_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # prompt_tokens 0 would keep ids[-0:]: all
+            raise WeaverError(f"{name} must be a whole number >= 1, got {value!r}")
     usable = (ids for ids in _encoded(rows, tokenizer, prompt_tokens, long_prompts, template_kwargs) if ids)
     encoded = list(itertools.islice(usable, n))
     if len(encoded) < n:

@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
 from weaver.errors import WeaverError
 from weaver.generate import generate
-from weaver.io import atomic_dir, atomic_write_json
+from weaver.io import atomic_dir, atomic_write_json, report_resume
+from weaver.models.config import check_context
 
 
 def corpus_prompts(corpus_dir: Path, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
@@ -53,11 +54,13 @@ def generate_rollouts(
     target, prompts: list[list[int]], rollouts: DictConfig, eos_token_id: int | None, seed: int, out_dir: Path,
     work_dir: Path,
 ) -> None:
+    check_context(target.cfg, rollouts.prompt_tokens, rollouts.max_new_tokens, "rollouts.prompt_tokens")
     shards_dir = work_dir / "shards"
     n_shards = -(-len(prompts) // rollouts.shard_size)
     generator = torch.Generator().manual_seed(seed)
-    for shard in tqdm(range(n_shards), desc="rollouts (shards)"):
-        path = shards_dir / f"shard-{shard:05d}"
+    paths = [shards_dir / f"shard-{shard:05d}" for shard in range(n_shards)]
+    report_resume("rollouts", paths)
+    for shard, path in enumerate(tqdm(paths, desc="rollouts (shards)")):
         if path.exists():  # finished by an earlier, interrupted run
             continue
         generator.manual_seed(seed * 100_003 + shard)  # a shard's samples do not depend on resuming
@@ -73,7 +76,7 @@ def generate_rollouts(
             ]
         with atomic_dir(path) as tmp:
             datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
-    shards = [datasets.load_from_disk(str(shards_dir / f"shard-{s:05d}")) for s in range(n_shards)]
+    shards = [datasets.load_from_disk(str(path)) for path in paths]
     merged = datasets.concatenate_datasets(shards)
     with atomic_dir(out_dir) as tmp:
         merged.save_to_disk(str(tmp / "dataset"))

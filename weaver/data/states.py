@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from weaver.errors import WeaverError
-from weaver.io import atomic_write_json, writable_dir
+from weaver.io import atomic_write_json, durable_rename, report_resume, fsync_path, fsync_tree, writable_dir
 from weaver.models.target import TargetModel
 
 STORED_DTYPE = torch.bfloat16
@@ -51,9 +51,10 @@ def build_states(target: TargetModel, rollouts_dir: Path, tap_layers: tuple[int,
     device = target.embed.weight.device
     n_shards = -(-len(rows) // shard_size)
     shards_dir = work_dir / "shards"
-    for shard in tqdm(range(n_shards), desc="states (shards)"):
-        path = shards_dir / f"shard-{shard:05d}.safetensors"
-        if path.exists():
+    paths = [shards_dir / f"shard-{shard:05d}.safetensors" for shard in range(n_shards)]
+    report_resume("states", paths)
+    for shard, path in enumerate(tqdm(paths, desc="states (shards)")):
+        if path.exists():  # finished by an earlier, interrupted run
             continue
         seqs = _sequences(rows, shard * shard_size, shard_size)
         pieces = []
@@ -66,13 +67,15 @@ def build_states(target: TargetModel, rollouts_dir: Path, tap_layers: tuple[int,
         writable_dir(shards_dir)
         tmp = path.with_name(path.name + ".tmp")
         save_file({"states": torch.cat(pieces).contiguous(), "offsets": offsets}, str(tmp))
-        tmp.replace(path)  # a shard is complete or absent
+        fsync_path(tmp)
+        durable_rename(tmp, path)  # a shard is complete or absent
     atomic_write_json(shards_dir / "meta.json", {
         "tap_layers": list(tap_layers), "shard_size": shard_size, "n_rollouts": len(rows),
         "hidden_size": target.cfg.hidden_size, "dtype": str(STORED_DTYPE).removeprefix("torch."),
     })
     writable_dir(out_dir.parent)
-    shards_dir.rename(out_dir)  # the finished folder appears at once, and no shard is ever copied or lost
+    fsync_tree(shards_dir)
+    durable_rename(shards_dir, out_dir)  # the finished folder appears at once; no shard is ever copied or lost
 
 
 def _sequences(rows: datasets.Dataset, first: int, n: int) -> list[list[int]]:

@@ -5,19 +5,28 @@ measurement (same experiment, dataset, method, budget, temperature and sizes) re
 the summary. A row measured without AR in the same run (e.g. a multirun job over methods) takes its
 speedup from the matching AR row in the file. Per method, budget and temperature, a "macro" row averages
 τ, tokens/s and speedup over the datasets, as the paper reports its headline numbers.
+
+An eval run keeps each finished measurement in `.partial/<run key>/` beside results.jsonl (`PartialRun`):
+a killed run, rerun with the same command, reuses them instead of measuring again, and appends each
+dataset's rows once (rows carry the run's `run_id`). A finished run removes its folder, so the same
+command run again later measures afresh.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
+import shutil
+import uuid
 from pathlib import Path
 from statistics import fmean
 
 from filelock import FileLock
 
-from weaver.io import atomic_write_text, writable_dir
+from weaver.errors import WeaverError
+from weaver.io import atomic_write_json, atomic_write_text, writable_dir
 
 MACRO = "macro"
 # What makes two rows the same measurement; the last one in the file wins.
@@ -37,18 +46,63 @@ def _lock(path: Path) -> FileLock:
     return FileLock(path.with_name(f".{path.name}.lock"))
 
 
+RUN_FIELDS = ("run_id", "dataset", "method", "budget")  # one row per measurement of a run
+
+
 def append_rows(path: Path, rows: list[dict]) -> list[dict]:
-    """Append rows to a JSONL file atomically (rewrite to a temporary file, then rename); returns all rows."""
+    """Append rows to a JSONL file atomically (rewrite to a temporary file, then rename); returns all rows.
+    A row whose run already wrote it (same `run_id`, dataset, method, budget) is not appended twice."""
     path = Path(path)
     writable_dir(path.parent)
     with _lock(path):
-        old = path.read_text() if path.exists() else ""
-        atomic_write_text(path, old + "".join(json.dumps(r) + "\n" for r in rows))
-        return read_rows(path)
+        old = read_rows(path) if path.exists() else []
+        written = {_key(r, RUN_FIELDS) for r in old if r.get("run_id") is not None}
+        new = [r for r in rows if r.get("run_id") is None or _key(r, RUN_FIELDS) not in written]
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in old + new))
+        return old + new
+
+
+class PartialRun:
+    """The finished measurements of one eval run, one atomic JSON file each, so that a killed run resumes.
+
+    The folder is keyed by everything the run was asked to measure (the whole resolved config); it holds
+    `run.json` (the run's id, given to its rows) and `<dataset>--<method>--<budget>.json` per measurement."""
+
+    def __init__(self, results_dir: Path, config: dict):
+        key = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        self.folder = writable_dir(Path(results_dir) / ".partial" / key)
+        meta = self.folder / "run.json"
+        if not meta.exists():
+            atomic_write_json(meta, {"run_id": uuid.uuid4().hex[:12]})
+        self.run_id: str = json.loads(meta.read_text())["run_id"]
+
+    def _path(self, dataset: str, method: str, budget) -> Path:
+        return self.folder / f"{dataset}--{method}--{budget}.json"
+
+    def done(self) -> int:
+        return sum(1 for p in self.folder.glob("*--*.json"))
+
+    def get(self, dataset: str, method: str, budget) -> dict | None:
+        path = self._path(dataset, method, budget)
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def put(self, dataset: str, method: str, budget, result: dict) -> dict:
+        atomic_write_json(self._path(dataset, method, budget), result)
+        return result
+
+    def finish(self) -> None:
+        shutil.rmtree(self.folder)
 
 
 def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise WeaverError(f"{path}, line {number}, is not a JSON row ({err.msg}); fix or remove that line") from None
+    return rows
 
 
 def _key(row: dict, fields: tuple[str, ...]) -> tuple:

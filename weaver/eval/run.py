@@ -24,18 +24,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from weaver.budget import BudgetPlanner, check_budgets, measure_step_costs
+from weaver.budget import BudgetPlanner, check_budgets, check_candidates, measure_step_costs
 from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
 from weaver.engine import PHASES, SpecStats, speculative_generate
 from weaver.errors import WeaverError
 from weaver.eval.plots import write_figures
-from weaver.eval.results import append_rows, markdown_table, summarize, write_summary
+from weaver.eval.results import PartialRun, append_rows, markdown_table, summarize, write_summary
 from weaver.eval.tracking import log_eval_run, wandb_enabled
 from weaver.generate import generate, until_eos
 from weaver.io import writable_dir
+from weaver.models.config import check_context
 from weaver.pipeline import load_adapter_for, load_drafter_for, load_target_and_tokenizer, target_folder
 
 Models = dict[str, Any]  # "target", whatever the selected methods need ("drafter", ...), "step_costs" (budget: auto)
@@ -193,7 +194,8 @@ def load_transformers_target(cfg: DictConfig, like: torch.nn.Module):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     weight = like.embed.weight
-    model = AutoModelForCausalLM.from_pretrained(target_folder(cfg), dtype=weight.dtype).to(weight.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(target_folder(cfg), dtype=weight.dtype, use_safetensors=True)
+    model = model.to(weight.device).eval()
     model.generation_config = GenerationConfig()  # plain greedy: no repetition penalty etc. from the checkpoint
     return model
 
@@ -215,6 +217,8 @@ def check_names(cfg: DictConfig) -> None:
     if unknown:
         raise WeaverError(f"unknown method/dataset {unknown}; methods: {list(METHODS)}, datasets: {list(cfg.prompt_sets)}")
     check_budgets(list(cfg.eval.budgets))
+    if "auto" in cfg.eval.budgets:
+        check_candidates(list(cfg.eval.auto_budget.candidates))
 
 
 def result_row(cfg: DictConfig, dataset: str, method: str, budget: int | None, r: dict, ar: dict | None,
@@ -232,21 +236,26 @@ def result_row(cfg: DictConfig, dataset: str, method: str, budget: int | None, r
     }
 
 
-def evaluate_dataset(cfg: DictConfig, dataset: str, prompts: list[list[int]], models: Models, eos: int | None, bar: tqdm) -> list[dict]:
-    """Every (method, budget) of the config on one prompt set; AR first, as the others' baseline."""
+def evaluate_dataset(cfg: DictConfig, dataset: str, prompts: list[list[int]], models: Models, eos: int | None,
+                     partial: PartialRun, bar: tqdm) -> list[dict]:
+    """Every (method, budget) of the config on one prompt set; AR first, as the others' baseline. Each
+    measurement is kept in `partial` as soon as it is done, and taken from there when a killed run reruns."""
     results = {}
     for method in sorted(cfg.eval.methods, key=lambda m: m != "ar"):
         for budget in METHODS[method].budgets(cfg, models):
             bar.set_postfix_str(f"{dataset} {method}" + (f"@{budget}" if budget is not None else ""))
-            results[method, budget] = (
+            results[method, budget] = partial.get(dataset, method, budget) or partial.put(dataset, method, budget, (
                 run_ar(models, prompts, cfg, eos) if method == "ar" else run_speculative(models, prompts, cfg, eos, method, budget)
-            )
+            ))
             bar.update(1)
     ar = results.get(("ar", None))
     reference = None
     if "transformers" in models and cfg.eval.temperature == 0:
-        reference = transformers_greedy(models["transformers"], prompts, cfg.eval.max_new_tokens, eos)
-    return [result_row(cfg, dataset, method, budget, r, ar, len(prompts), reference) for (method, budget), r in results.items()]
+        reference = (partial.get(dataset, "transformers", None) or partial.put(
+            dataset, "transformers", None, {"outputs": transformers_greedy(models["transformers"], prompts, cfg.eval.max_new_tokens, eos)}
+        ))["outputs"]
+    return [{**result_row(cfg, dataset, method, budget, r, ar, len(prompts), reference), "run_id": partial.run_id}
+            for (method, budget), r in results.items()]
 
 
 def evaluate(cfg: DictConfig) -> list[dict]:
@@ -255,17 +264,21 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     out_dir = writable_dir(Path(cfg.eval.out_dir or Path(cfg.paths.root) / cfg.experiment / "eval"))
     prompt_sets = {name: load_prompt_set(cfg, name) for name in cfg.eval.datasets}  # hub errors before the model load
     models, tokenizer = load_models(cfg)
-    warm_up(models, cfg, tokenizer.eos_token_id or 0)
     e = cfg.eval
+    check_context(models["target"].cfg, e.prompt_tokens, e.max_new_tokens, "eval.prompt_tokens")
+    warm_up(models, cfg, tokenizer.eos_token_id or 0)
     if e.check_transformers and e.temperature == 0:
         models["transformers"] = load_transformers_target(cfg, models["target"])
     n_runs = len(e.datasets) * sum(len(METHODS[m].budgets(cfg, models)) for m in e.methods)
+    partial = PartialRun(out_dir, OmegaConf.to_container(cfg, resolve=True))
+    if partial.done():
+        print(f"eval: resuming a killed run, {partial.done()} measurements already done ({partial.folder})")
     rows, all_rows = [], []
     with tqdm(total=n_runs, desc="eval") as bar:
         for name, rows_of_set in prompt_sets.items():
             prompts = encode_prompts(rows_of_set, tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts,
                                      template_kwargs(cfg))
-            dataset_rows = evaluate_dataset(cfg, name, prompts, models, tokenizer.eos_token_id, bar)
+            dataset_rows = evaluate_dataset(cfg, name, prompts, models, tokenizer.eos_token_id, partial, bar)
             all_rows = append_rows(out_dir / "results.jsonl", dataset_rows)  # per dataset: a crash keeps what is done
             rows += dataset_rows
     summary = write_summary(out_dir, all_rows)
@@ -278,4 +291,5 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     if wandb_enabled(cfg):
         run_dir = log_eval_run(cfg, run_summary, figures)
         print(f"W&B run: {run_dir}" + (f" (upload: wandb sync {run_dir})" if cfg.wandb.mode == "offline" else ""))
+    partial.finish()  # done: the same command run again measures afresh
     return rows

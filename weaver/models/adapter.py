@@ -32,7 +32,7 @@ from transformers import Qwen3Config
 
 from weaver.errors import WeaverError
 from weaver.io import atomic_dir
-from weaver.models.config import from_hf
+from weaver.models.config import from_hf, is_count
 from weaver.models.drafter import DrafterLayer
 from weaver.models.target import RMSNorm, TargetModel, rope_tables
 
@@ -50,6 +50,18 @@ class AdapterConfig:
     pool_size: int = 64  # M: candidates per depth, the drafter's top-M
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        """Sizes are whole numbers >= 1 (an adapter config comes from `weaver.*` settings or a config.json)."""
+        for name in ("target_hidden_size", "vocab_size", "max_depth", "d_model", "num_layers", "num_heads",
+                     "intermediate_size", "rank", "pool_size"):
+            value = getattr(self, name)
+            if not is_count(value):
+                raise WeaverError(f"adapter {name} must be a whole number >= 1, got {value!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise WeaverError(f"adapter {name} must be a positive number, got {value!r}")
 
     def body(self) -> Qwen3Config:
         """The decoder stack as a Qwen3 config (the drafter's layer reads it)."""
@@ -99,6 +111,7 @@ class WeaverAdapter(nn.Module):
         self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
         self._table: tuple[TargetModel, torch.Tensor] | None = None  # (target, P lm_head), eval mode only
         self._compiled_scorer: Callable[..., torch.Tensor] | None = None
+        self.tokenizer_sha256: str | None = None  # the target tokenizer it was trained with (saved, checked on load)
         self.reset_scorer()
 
     def reset_scorer(self) -> None:
@@ -190,23 +203,20 @@ def draft_pools(draft_logits: torch.Tensor, pool_size: int) -> tuple[torch.Tenso
     return draft_logits.topk(min(pool_size, draft_logits.shape[-1]), dim=-1)
 
 
-def save_adapter(adapter: WeaverAdapter, out_dir: Path) -> None:
-    """config.json (AdapterConfig) + model.safetensors, written atomically."""
+def save_adapter(adapter: WeaverAdapter, out_dir: Path, tokenizer_sha256: str | None = None) -> None:
+    """config.json (AdapterConfig, and the fingerprint of the target tokenizer it was trained with:
+    `tokenizer_sha256`, else the adapter's own) + model.safetensors, written atomically."""
+    config = {"weaver_adapter": asdict(adapter.cfg)}
+    sha = tokenizer_sha256 or adapter.tokenizer_sha256
+    if sha:
+        config["tokenizer_sha256"] = sha
     with atomic_dir(out_dir) as tmp:
-        (tmp / "config.json").write_text(json.dumps({"weaver_adapter": asdict(adapter.cfg)}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in adapter.state_dict().items()}, tmp / "model.safetensors")
 
 
-def load_adapter(folder: str | Path, target: TargetModel, max_depth: int) -> WeaverAdapter:
-    """Read a saved adapter; refuse one whose sizes do not fit the target or the drafter's block."""
-    folder = Path(folder)
-    try:
-        cfg = AdapterConfig(**json.loads((folder / "config.json").read_text())["weaver_adapter"])
-        state = load_file(folder / "model.safetensors")
-    except FileNotFoundError as e:
-        raise WeaverError(f"no Weaver adapter at {folder}: {e.filename} is missing") from e
-    except (KeyError, TypeError, ValueError, OSError, SafetensorError) as e:
-        raise WeaverError(f"{folder} is not a readable Weaver adapter checkpoint ({e})") from e
+def check_adapter_fits(cfg: AdapterConfig, target: TargetModel, max_depth: int) -> None:
+    """Refuse an adapter whose sizes do not fit the target (hidden size, vocabulary) or the drafter's block."""
     t = target.cfg
     if (cfg.target_hidden_size, cfg.vocab_size) != (t.hidden_size, t.vocab_size):
         raise WeaverError(
@@ -215,11 +225,35 @@ def load_adapter(folder: str | Path, target: TargetModel, max_depth: int) -> Wea
         )
     if cfg.max_depth != max_depth:
         raise WeaverError(f"adapter covers depth {cfg.max_depth}, the drafter drafts {max_depth} positions")
+
+
+def load_adapter(folder: str | Path, target: TargetModel, max_depth: int, tokenizer=None) -> WeaverAdapter:
+    """Read a saved adapter; refuse one whose sizes do not fit the target or the drafter's block, or (when
+    it records one) that was trained with another tokenizer than `tokenizer` (default: the tokenizer saved
+    beside the target, `weaver.models.checkpoint.target_tokenizer_sha256`)."""
+    from weaver.models.checkpoint import check_tokenizer_fingerprint
+
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        cfg = AdapterConfig(**config["weaver_adapter"])
+        sha = config.get("tokenizer_sha256")
+        state = load_file(folder / "model.safetensors")
+    except FileNotFoundError as e:
+        raise WeaverError(f"no Weaver adapter at {folder}: {e.filename} is missing") from e
+    except WeaverError as e:  # a size that is not a whole number >= 1
+        raise WeaverError(f"{folder} is not a valid Weaver adapter checkpoint: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OSError, SafetensorError) as e:
+        raise WeaverError(f"{folder} is not a readable Weaver adapter checkpoint ({type(e).__name__}: {e})") from e
+    check_adapter_fits(cfg, target, max_depth)
+    check_tokenizer_fingerprint(f"the Weaver adapter at {folder}", sha if isinstance(sha, str) else None, target,
+                                tokenizer)
     adapter = WeaverAdapter(cfg)
     try:
         adapter.load_state_dict(state)
     except RuntimeError as e:
         raise WeaverError(f"adapter weights in {folder} do not match its config: {str(e).splitlines()[0]}") from e
+    adapter.tokenizer_sha256 = sha if isinstance(sha, str) else None
     return adapter.eval()
 
 

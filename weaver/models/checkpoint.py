@@ -8,6 +8,7 @@ Saving writes transformers' own format, so `AutoModelForCausalLM.from_pretrained
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,6 +22,12 @@ from weaver.errors import WeaverError
 from weaver.io import atomic_dir
 from weaver.models.config import TargetConfig, from_hf
 from weaver.models.target import TargetModel
+
+try:  # transformers' strict config dataclasses (a field of the wrong type) raise this, not a ValueError
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # older huggingface_hub
+    class StrictDataclassError(Exception):
+        pass
 
 # Prefixes under which the language model's weights live, by checkpoint flavour (VLM checkpoints nest it).
 LM_PREFIXES = ("model.language_model.", "model.")
@@ -143,19 +150,43 @@ def resolve_checkpoint(name_or_path: str) -> Path:
                           f"download it on a connected machine and point the config at the folder") from None
 
 
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt")
+
+
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's model.safetensors or sharded index. Only safetensors are read: pickle-based
+    weights (pytorch_model.bin, .pt) are refused, never unpickled."""
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise WeaverError(f"corrupt shard index {index}: {type(err).__name__}: {err}") from None
+    else:
+        files = ["model.safetensors"]
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         file = folder / name
         if not file.exists():
+            pickled = [p for p in PICKLE_WEIGHTS if (folder / p).exists()]
+            if pickled:
+                raise WeaverError(f"missing weights file {file}: only safetensors are read, and {pickled[0]} is a "
+                                  f"pickle file, which is never loaded (convert it to safetensors)")
             raise WeaverError(f"missing weights file {file}")
         try:
             tensors.update(load_file(file))
-        except SafetensorError as err:
+        except (SafetensorError, OSError) as err:
             raise WeaverError(f"corrupt weights file {file}: {err}") from None
     return tensors
+
+
+def first_sentence(err: Exception, limit: int = 300) -> str:
+    """An exception's message on one line, up to its first full stop (library messages go on at length)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    end = text.find(". ")
+    text = text[: end + 1] if end >= 0 else text
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_hf_config(folder: Path, gguf_file: str | None = None) -> PretrainedConfig:
@@ -163,8 +194,71 @@ def load_hf_config(folder: Path, gguf_file: str | None = None) -> PretrainedConf
         raise WeaverError(f"{folder} has no config.json")
     try:
         return AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
-    except ValueError as err:  # unknown model_type and friends
-        raise WeaverError(f"cannot read config in {folder}: {str(err).splitlines()[0]}") from None
+    except (ValueError, OSError, TypeError, KeyError, StrictDataclassError) as err:
+        # unknown model_type, config.json that is not JSON, a field of the wrong type
+        raise WeaverError(f"cannot read config in {folder}: {first_sentence(err)}") from None
+
+
+# --- the target's tokenizer: its vocabulary must fit the target, and drafters/adapters record which one they
+# were trained with (a fingerprint of the token -> id mapping) ---
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer's token -> id mapping (added tokens included): equal for two tokenizers
+    exactly when they map every token string to the same id."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def check_tokenizer(tokenizer, vocab_size: int, where: str = "the tokenizer") -> None:
+    """Refuse a tokenizer that can emit ids the target has no embedding for (fewer ids is fine: vocabularies
+    are often padded, e.g. Qwen3's 151669 tokens in 151936 rows)."""
+    n = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    if n > vocab_size:
+        raise WeaverError(f"{where} has {n} token ids, more than the target's vocabulary of {vocab_size}: "
+                          f"tokenizer and model do not belong together")
+
+
+def load_tokenizer(folder: str | Path, target: TargetModel | None = None):
+    """The tokenizer saved beside a target (`AutoTokenizer`), checked against the target's vocabulary; its
+    fingerprint is kept on the target (`target.tokenizer_sha256`) for the drafter/adapter checks."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as err:  # JSON, missing keys, the tokenizers library's own errors: many unrelated types
+        raise WeaverError(f"cannot read the tokenizer in {folder}: {first_sentence(err)}") from None
+    if target is not None:
+        check_tokenizer(tokenizer, target.cfg.vocab_size, f"the tokenizer in {folder}")
+        target.tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
+    return tokenizer
+
+
+def target_tokenizer_sha256(target: TargetModel, tokenizer=None) -> str | None:
+    """The fingerprint of the target's tokenizer: of `tokenizer` when given, else the one recorded by
+    `load_tokenizer`, else that of the tokenizer saved in the target's checkpoint folder (None: unknown)."""
+    if tokenizer is not None:
+        return tokenizer_fingerprint(tokenizer)
+    known = getattr(target, "tokenizer_sha256", None)
+    if known is None:
+        folder = getattr(target, "checkpoint_dir", None)
+        if folder is not None and any((Path(folder) / f).exists() for f in TOKENIZER_FILES):
+            load_tokenizer(folder, target)
+            known = target.tokenizer_sha256
+    return known
+
+
+def check_tokenizer_fingerprint(what: str, stored: str | None, target: TargetModel, tokenizer=None) -> None:
+    """Refuse a drafter/adapter trained with another tokenizer. Artifacts without a fingerprint (z-lab's
+    DFlash checkpoints, older artifacts) and targets whose tokenizer is unknown are not checked."""
+    if not stored:
+        return
+    actual = target_tokenizer_sha256(target, tokenizer)
+    if actual is not None and actual != stored:
+        raise WeaverError(f"{what} was trained with another tokenizer (vocabulary sha256 {stored[:12]}, the "
+                          f"target's is {actual[:12]}): train it for this target")
 
 
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, gguf_file: str | None = None) -> TargetModel:
@@ -181,7 +275,10 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, gguf_file
 
         hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
         tensors = hf_model.state_dict()
-    return model_from_state_dict(cfg, tensors, dtype)
+    model = model_from_state_dict(cfg, tensors, dtype)
+    model.checkpoint_dir = folder if gguf_file is None else None  # where its tokenizer lives (see load_tokenizer)
+    model.tokenizer_sha256 = None
+    return model
 
 
 def save_hf_checkpoint(model: TargetModel, hf_config: PretrainedConfig, out_dir: Path, tokenizer=None) -> None:

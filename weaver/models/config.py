@@ -6,6 +6,8 @@ means adding one `from_hf` case here and its weight mapping in `checkpoint.py`.
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +44,7 @@ class TargetConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 4
+    max_position_embeddings: int | None = None  # the context the checkpoint was made for (None: unbounded)
 
     @property
     def is_hybrid(self) -> bool:
@@ -99,6 +102,7 @@ def from_hf(hf: PretrainedConfig) -> TargetConfig:
         rope_scaling=scaling,
         attention_bias=bool(getattr(tc, "attention_bias", False)),
         qk_norm=hf.model_type != "llama",
+        max_position_embeddings=_positive_int_or_none(getattr(tc, "max_position_embeddings", None)),
     )
     if getattr(tc, "hidden_act", "silu") != "silu":
         raise WeaverError(f"hidden_act '{tc.hidden_act}' is not supported (only silu)")
@@ -114,3 +118,43 @@ def from_hf(hf: PretrainedConfig) -> TargetConfig:
         linear_value_head_dim=tc.linear_value_head_dim,
         linear_conv_kernel=tc.linear_conv_kernel_dim,
     )
+
+
+def _positive_int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, numbers.Integral) and value > 0 else None
+
+
+def is_count(value: Any, minimum: int = 1) -> bool:
+    """A whole number (not a bool, not a float) of at least `minimum`."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
+def check_context(cfg: TargetConfig, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
+    """Refuse a request that does not fit the target's context (`max_position_embeddings`, when the config
+    has one): the prompt alone, or the prompt plus the tokens asked for."""
+    if not is_count(max_new_tokens, 0):
+        raise WeaverError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+    limit = cfg.max_position_embeddings
+    if limit is None:
+        return
+    if prompt_len > limit:
+        raise WeaverError(f"{what} of {prompt_len} tokens is longer than the target's context "
+                          f"(max_position_embeddings {limit})")
+    if prompt_len + max_new_tokens > limit:
+        raise WeaverError(f"{what} of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds the target's "
+                          f"context (max_position_embeddings {limit})")
+
+
+def check_prompt(cfg: TargetConfig, prompt: Sequence[int], max_new_tokens: int) -> None:
+    """One prompt for the target: at least one token, every id inside the vocabulary, and room for the
+    tokens asked for within the target's context. O(len(prompt)) on the host."""
+    if len(prompt) == 0:
+        raise WeaverError("every prompt must contain at least one token")
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+        bad = next(t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+        raise WeaverError(f"prompt tokens must be integer ids, got {bad!r}")
+    low, high = min(prompt), max(prompt)
+    if low < 0 or high >= cfg.vocab_size:
+        raise WeaverError(f"prompt token id {low if low < 0 else high} is outside the target's vocabulary "
+                          f"(0..{cfg.vocab_size - 1})")
+    check_context(cfg, len(prompt), max_new_tokens)

@@ -31,6 +31,8 @@ class DrafterConfig:
     block_size: int
     target_layer_ids: tuple[int, ...]  # decoder layers of the target whose outputs are tapped
     mask_token_id: int
+    num_target_layers: int | None = None  # layers of the target it was made for (DFlash's `num_target_layers`)
+    tokenizer_sha256: str | None = None  # fingerprint of the target tokenizer it was trained with (ours only)
 
 
 def default_target_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:

@@ -3,7 +3,9 @@
 Format: `config.json` is a Qwen3Config plus `block_size`, `num_target_layers` and
 `dflash_config: {target_layer_ids, mask_token_id}`; `model.safetensors` holds `fc`, `hidden_norm`,
 `norm` and `layers.N.{self_attn,mlp,input_layernorm,post_attention_layernorm}.*` (no embedding or
-lm_head: the target's are shared).
+lm_head: the target's are shared). Drafters trained here also record `tokenizer_sha256`, the fingerprint of
+the target tokenizer they were trained with (`weaver.models.checkpoint.tokenizer_fingerprint`); z-lab's
+checkpoints have none and load as before.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from transformers import Qwen3Config
 
 from weaver.errors import WeaverError
 from weaver.io import atomic_dir
-from weaver.models.checkpoint import load_hf_config, read_safetensors, resolve_checkpoint
-from weaver.models.config import from_hf
+from weaver.models.checkpoint import check_tokenizer_fingerprint, load_hf_config, read_safetensors, resolve_checkpoint
+from weaver.models.config import from_hf, is_count
 from weaver.models.drafter import Drafter, DrafterConfig, default_target_layers
 from weaver.models.target import TargetModel
 
@@ -26,10 +28,17 @@ def new_drafter_config(
     target: TargetModel, num_layers: int, block_size: int, mask_token_id: int, num_taps: int = 5,
     target_layer_ids: tuple[int, ...] | None = None, intermediate_size: int | None = None,
     num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
-    rope_theta: float = 1e6,
+    rope_theta: float = 1e6, tokenizer_sha256: str | None = None,
 ) -> Qwen3Config:
-    """A DFlash-format config for a fresh drafter sized to `target` (hidden size and vocab are the target's)."""
+    """A DFlash-format config for a fresh drafter sized to `target` (hidden size and vocab are the target's);
+    tokenizer_sha256: the fingerprint of the target's tokenizer, checked when the drafter is loaded."""
     t = target.cfg
+    if not is_count(num_layers):
+        raise WeaverError(f"drafter num_layers must be a whole number >= 1, got {num_layers!r}")
+    if not is_count(block_size, 2):
+        raise WeaverError(f"drafter block_size must be at least 2 (anchor + one draft), got {block_size!r}")
+    if target_layer_ids is None and not is_count(num_taps):
+        raise WeaverError(f"drafter num_taps must be a whole number >= 1, got {num_taps!r}")
     layers = target_layer_ids or default_target_layers(t.num_layers, num_taps)
     config = Qwen3Config(
         vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_hidden_layers=num_layers,
@@ -41,17 +50,34 @@ def new_drafter_config(
         dflash_config={"target_layer_ids": list(layers), "mask_token_id": mask_token_id},
     )
     config.rope_theta = rope_theta  # also top-level: transformers 4.x readers (z-lab, SGLang) look there
+    if tokenizer_sha256:
+        config.tokenizer_sha256 = tokenizer_sha256
     return config
 
 
 def drafter_config(hf: Qwen3Config) -> DrafterConfig:
     extra = getattr(hf, "dflash_config", None)
-    if not extra or "mask_token_id" not in extra or not hasattr(hf, "block_size"):
+    if not isinstance(extra, dict) or "mask_token_id" not in extra or not hasattr(hf, "block_size"):
         raise WeaverError("not a DFlash drafter config: needs block_size and dflash_config.mask_token_id")
-    if int(hf.block_size) < 2:
-        raise WeaverError(f"drafter block_size must be at least 2 (anchor + one draft), got {hf.block_size}")
-    layers = extra.get("target_layer_ids") or default_target_layers(hf.num_target_layers, hf.num_hidden_layers)
-    return DrafterConfig(from_hf(hf), int(hf.block_size), tuple(layers), int(extra["mask_token_id"]))
+    block_size, mask = hf.block_size, extra["mask_token_id"]
+    num_target_layers = getattr(hf, "num_target_layers", None)
+    if not is_count(block_size, 2):
+        raise WeaverError(f"drafter block_size must be at least 2 (anchor + one draft), got {block_size!r}")
+    if not is_count(mask, 0):
+        raise WeaverError(f"drafter dflash_config.mask_token_id must be a token id, got {mask!r}")
+    if num_target_layers is not None and not is_count(num_target_layers):
+        raise WeaverError(f"drafter num_target_layers must be a whole number >= 1, got {num_target_layers!r}")
+    layers = extra.get("target_layer_ids")
+    if layers is None:
+        if num_target_layers is None:
+            raise WeaverError("not a DFlash drafter config: needs dflash_config.target_layer_ids or num_target_layers")
+        layers = default_target_layers(num_target_layers, hf.num_hidden_layers)
+    if not isinstance(layers, (list, tuple)) or not layers or not all(is_count(i, 0) for i in layers):
+        raise WeaverError(f"drafter dflash_config.target_layer_ids must be a non-empty list of layer indices, got {layers!r}")
+    sha = getattr(hf, "tokenizer_sha256", None)
+    return DrafterConfig(from_hf(hf), int(block_size), tuple(int(i) for i in layers), int(mask),
+                         int(num_target_layers) if num_target_layers is not None else None,
+                         sha if isinstance(sha, str) and sha else None)
 
 
 def weight_table(cfg: DrafterConfig) -> list[tuple[str, list[str]]]:
@@ -72,8 +98,11 @@ def weight_table(cfg: DrafterConfig) -> list[tuple[str, list[str]]]:
     return table
 
 
-def load_drafter(name_or_path: str, target: TargetModel | None = None, dtype: torch.dtype = torch.float32) -> Drafter:
-    """Load a DFlash-format drafter; with `target`, refuse one that does not fit it."""
+def load_drafter(name_or_path: str, target: TargetModel | None = None, dtype: torch.dtype = torch.float32,
+                 tokenizer=None) -> Drafter:
+    """Load a DFlash-format drafter; with `target`, refuse one that does not fit it: sizes, tapped layers, and
+    (when the drafter records one) the tokenizer it was trained with, compared with `tokenizer` or else with
+    the tokenizer saved beside the target (`weaver.models.checkpoint.target_tokenizer_sha256`)."""
     folder = resolve_checkpoint(name_or_path)
     cfg = drafter_config(load_hf_config(folder))
     tensors = read_safetensors(folder)
@@ -93,6 +122,7 @@ def load_drafter(name_or_path: str, target: TargetModel | None = None, dtype: to
         from weaver.engine import check_pair
 
         check_pair(target, drafter)
+        check_tokenizer_fingerprint(f"the drafter at {name_or_path}", cfg.tokenizer_sha256, target, tokenizer)
     return drafter.to(dtype).eval()
 
 

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from weaver.data.states import StoredStates
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, save_adapter
+from weaver.models.checkpoint import check_tokenizer, check_tokenizer_fingerprint, tokenizer_fingerprint
 from weaver.models.drafter import Drafter
 from weaver.models.target import TargetModel
 from weaver.train.common import fit, make_accelerator, write_artifact
@@ -94,6 +95,8 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
                   out_dir: Path, work_dir: Path, states_dir: Path | None = None) -> dict:
     """Train the adapter described by cfg.weaver on the rollouts; write config.json + model.safetensors."""
     w, train = cfg.weaver, cfg.weaver.train
+    check_tokenizer(tokenizer, target.cfg.vocab_size, "the target's tokenizer")
+    check_tokenizer_fingerprint("the drafter", getattr(drafter.cfg, "tokenizer_sha256", None), target, tokenizer)
     adapter_cfg = AdapterConfig(
         target.cfg.hidden_size, target.cfg.vocab_size, drafter.cfg.block_size - 1, w.d_model, w.num_layers,
         w.num_heads, w.intermediate_size, w.rank, w.pool_size,
@@ -121,7 +124,8 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
                   cfg.seed, desc="weaver")
     adapter = adapter.float().cpu().eval()
     summary = {"params": n_params, **metrics}
-    write_artifact(accelerator, lambda out: save_adapter(adapter, out), out_dir, summary,
+    sha = tokenizer_fingerprint(tokenizer)  # saved with the adapter: loading checks it against the target's
+    write_artifact(accelerator, lambda out: save_adapter(adapter, out, sha), out_dir, summary,
                    f"weaver: final loss {metrics['loss']:.3f}; TV to the target on the pool {metrics['tv']:.3f} "
                    f"(drafter prior {metrics['tv_prior']:.3f}); top-1 {metrics['acc']:.2f} "
                    f"(prior {metrics['acc_prior']:.2f}); pool coverage {metrics['coverage']:.2f}")

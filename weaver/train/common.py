@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 from tqdm.auto import tqdm
 
-from weaver.io import atomic_write_json, writable_dir
+from weaver.io import atomic_dir, atomic_write_json, durable_rename, fsync_tree, writable_dir
 from weaver.precision import resolve_device, training_precision
 
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
@@ -98,7 +98,8 @@ class Checkpoints:
         accelerator.save_state(str(tmp), safe_serialization=True)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            tmp.rename(final)
+            fsync_tree(tmp)
+            durable_rename(tmp, final)
             for _, old in self.all()[: -self.keep]:
                 shutil.rmtree(old)
         accelerator.wait_for_everyone()
@@ -106,14 +107,16 @@ class Checkpoints:
 
 def write_artifact(accelerator: Accelerator, save: Callable[[Path], None], out_dir: Path, summary: dict,
                    message: str) -> None:
-    """Close the stage's trackers; rank 0 writes the artifact (`save(out_dir)`, then train_summary.json) and
-    prints `message`, the other processes wait for it. (Not `end_training`: it also ends the process group,
-    which the next stage of the same run still needs.)"""
+    """Close the stage's trackers; rank 0 writes the artifact (`save` into a folder, then train_summary.json;
+    the folder appears as `out_dir` only when both are on disk) and prints `message`, the other processes
+    wait for it. (Not `end_training`: it also ends the process group, which the next stage of the same run
+    still needs.)"""
     for tracker in accelerator.trackers:
         tracker.finish()
     if accelerator.is_main_process:
-        save(out_dir)
-        atomic_write_json(out_dir / "train_summary.json", summary)
+        with atomic_dir(out_dir) as tmp:
+            save(tmp)
+            atomic_write_json(tmp / "train_summary.json", summary)
         print(message)
     accelerator.wait_for_everyone()
 

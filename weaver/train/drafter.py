@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from weaver.data.states import StoredStates, right_pad
 from weaver.errors import WeaverError
+from weaver.models.checkpoint import check_tokenizer, tokenizer_fingerprint
 from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config, save_drafter
 from weaver.models.target import TargetModel
@@ -119,11 +120,14 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
                   states_dir: Path | None = None) -> dict:
     """Train the drafter described by cfg.drafter on the rollouts; write a DFlash-format checkpoint."""
     d, train = cfg.drafter, cfg.drafter.train
+    check_tokenizer(tokenizer, target.cfg.vocab_size, "the target's tokenizer")
     mask_id = tokenizer.convert_tokens_to_ids(d.mask_token)
     if mask_id is None or mask_id == tokenizer.unk_token_id:
         raise WeaverError(f"mask token '{d.mask_token}' is not in the target's vocabulary")
+    # the tokenizer's fingerprint goes into config.json: loading checks it against the target's tokenizer
     hf_config = new_drafter_config(target, d.num_layers, d.block_size, mask_id, d.num_taps,
-                                   intermediate_size=d.intermediate_size)
+                                   intermediate_size=d.intermediate_size,
+                                   tokenizer_sha256=tokenizer_fingerprint(tokenizer))
     torch.manual_seed(cfg.seed)
     drafter = Drafter(drafter_config(hf_config))
     init_weights(drafter, train.init_std)
