@@ -71,3 +71,27 @@ def test_eval_overrides_run_on_trained_artifacts_without_training(smoke_outputs,
     assert done.returncode == 0, done.stderr[-3000:]
     assert "building" not in done.stdout
     assert [json.loads(line)["method"] for line in (tmp_path / "results.jsonl").read_text().splitlines()] == ["weaver"]
+
+
+def test_settings_added_later_keep_existing_keys_at_their_old_behaviour():
+    """`pipeline.ADDED_LATER`: a setting at the value that reproduces earlier artifacts leaves every key as it
+    was without the setting; any other value retrains what reads it."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from weaver.pipeline import ADDED_LATER, ROOT_CONF, STAGES, stage_key
+
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["+experiment=tiny"])
+    keys = {name: stage_key(cfg, name) for name in STAGES}
+    with open_dict(cfg):
+        for group, added in ADDED_LATER.items():
+            node = cfg
+            for part in group.split("."):
+                node = node[part]
+            for key in added:
+                del node[key]
+    assert {name: stage_key(cfg, name) for name in STAGES} == keys
+    changed = _artifact_keys("train", "rollouts.samples_per_prompt=2", "rollouts.temperature=1")
+    assert changed["rollouts"] != keys["rollouts"]
+    assert _artifact_keys("train", "weaver.train.heldout_rollouts=8")["weaver"] != keys["weaver"]

@@ -5,21 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 import weaver.train.adapter as adapter_stage
+from weaver.errors import WeaverError
 from weaver.models.adapter import load_adapter
 from weaver.pipeline import ROOT_CONF, artifact_dir, load_drafter_for, load_target_and_tokenizer
 from weaver.train.common import Checkpoints
 
 
-def smoke_config(outputs: Path):
+def smoke_config(outputs: Path, *overrides: str):
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
         return compose("train", overrides=[
             "+experiment=smoke", f"paths.root={outputs}", "wandb.enabled=false",
-            "weaver.train.steps=8", "weaver.train.checkpoint_every=3", "weaver.train.log_every=1",
+            "weaver.train.steps=8", "weaver.train.checkpoint_every=3", "weaver.train.log_every=1", *overrides,
         ])
 
 
@@ -56,3 +58,47 @@ def test_weaver_stage_resumes_after_a_crash(smoke_outputs, tmp_path, monkeypatch
     a, b = (load_adapter(tmp_path / x, target, cfg.drafter.block_size - 1) for x in "ab")
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+
+
+def test_pool_acceptance_is_what_rejection_sampling_accepts():
+    """`accept` = sum min(p, q) over the pool, p the target's whole distribution: the rate at which one draft
+    drawn from q passes the accept test u < p(x) / q(x) (Monte Carlo over 200k draws)."""
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(3, 50, generator=g) * 2
+    pool = torch.stack([torch.randperm(50, generator=g)[:8] for _ in range(3)])
+    log_q = (torch.randn(3, 8, generator=g) * 2).log_softmax(-1)
+    accept = adapter_stage.pool_losses(log_q, teacher, pool, pool[:, 0])["accept"]
+    p, q = teacher.softmax(-1).gather(-1, pool), log_q.exp()
+    draws = torch.multinomial(q, 200_000, replacement=True, generator=g)
+    passed = torch.rand(draws.shape, generator=g) < (p.gather(-1, draws) / q.gather(-1, draws))
+    torch.testing.assert_close(accept, passed.float().mean(-1), atol=5e-3, rtol=0)
+    assert (accept <= p.sum(-1) + 1e-6).all()  # the target's mass outside the pool is never accepted
+
+
+def test_expected_chain_length_multiplies_acceptance_along_depths():
+    accept = torch.tensor([[0.5, 0.5, 1.0], [0.8, 0.5, 0.5]])
+    valid = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # the second rollout ends after depth 1
+    torch.testing.assert_close(adapter_stage.expected_chain_length(accept, valid), torch.tensor([2.0, 1.8]))
+
+
+def test_heldout_rollouts_are_not_trained_on_and_report_sampling_metrics(smoke_outputs, tmp_path, monkeypatch):
+    """weaver.train.heldout_rollouts=8: training sees the other 40 rollouts, and the summary carries the
+    adapter's metrics on the 8 held out (expected chain length under rejection sampling among them)."""
+    seen = []
+    real_loss = adapter_stage.adapter_loss
+
+    def recording_loss(adapter, drafter, target, ids, *args, **kwargs):
+        seen.append(ids.shape[0])
+        return real_loss(adapter, drafter, target, ids, *args, **kwargs)
+
+    monkeypatch.setattr(adapter_stage, "adapter_loss", recording_loss)
+    cfg = smoke_config(smoke_outputs, "weaver.train.heldout_rollouts=8", "weaver.train.eval_every=4")
+    summary = train(cfg, tmp_path / "a", tmp_path / "a.work")
+    assert 1 <= summary["heldout_tau_rrs"] <= cfg.drafter.block_size and 0 <= summary["heldout_accept_d1"] <= 1
+    assert summary["heldout_tau_rrs_prior"] >= 1 and "heldout_acc" in summary
+    assert seen.count(8) == 8 + 2  # 8 training steps of batch 8, then 8 held-out rollouts at steps 4 and 8
+    with pytest.raises(WeaverError, match="heldout_rollouts must be a whole number from 0 to 47"):
+        train(smoke_config(smoke_outputs, "weaver.train.heldout_rollouts=48"), tmp_path / "b", tmp_path / "b.work")
+    rows = datasets.Dataset.from_dict({"prompt_index": list(range(48))})
+    trained, heldout = adapter_stage.split_heldout(rows, 8)
+    assert trained["prompt_index"] == list(range(40)) and heldout["prompt_index"] == list(range(40, 48))

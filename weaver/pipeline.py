@@ -129,11 +129,24 @@ INFERENCE_ONLY = {"model": ("dtype", "chat_template_kwargs"), "weaver": ("search
 HASHED_ELSEWHERE = {"rollouts": ("store_states",)}
 
 
+# Settings added after artifacts were built, at the value that reproduces what was built before: at that
+# value they stay out of the key, so existing artifacts remain valid (any other value changes the key).
+ADDED_LATER = {"rollouts": {"samples_per_prompt": 1}, "weaver.train": {"heldout_rollouts": 0}}
+
+
 def _trained_on(cfg: DictConfig, group: str) -> dict:
     """The config group `group` without its inference-only settings: what a training stage hashes."""
     settings = OmegaConf.to_container(cfg[group], resolve=True)
     skip = INFERENCE_ONLY.get(group, ()) + HASHED_ELSEWHERE.get(group, ())
-    return {k: v for k, v in settings.items() if k not in skip}
+    return _without_added_defaults({k: v for k, v in settings.items() if k not in skip}, group)
+
+
+def _without_added_defaults(settings: dict, group: str) -> dict:
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            settings[key] = _without_added_defaults(value, f"{group}.{key}")
+    added = ADDED_LATER.get(group, {})
+    return {k: v for k, v in settings.items() if k not in added or v != added[k]}
 
 
 STAGES: dict[str, Stage] = {

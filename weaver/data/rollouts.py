@@ -3,7 +3,9 @@
 Prompts are openings of a scratch target's corpus rows, or prompt sets rendered in any target's chat
 template (`rollouts.prompts: [train_math, train_code, ...]`, conf/prompt_sets).
 
-Stored as an HF `datasets` dataset (Arrow on disk) with columns prompt_ids, response_ids, prompt_index.
+Stored as an HF `datasets` dataset (Arrow on disk) with columns prompt_ids, response_ids, prompt_index (the
+rollout's row: with `samples_per_prompt: k`, at temperature > 0, each prompt's k sampled responses are
+consecutive rows).
 Generation is batched (left-padded) with our engine and written shard by shard under the stage's work
 folder, so a killed run resumes at the first missing shard.
 """
@@ -21,7 +23,7 @@ from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
 from weaver.errors import WeaverError
 from weaver.generate import generate
 from weaver.io import atomic_dir, atomic_write_json, report_resume
-from weaver.models.config import check_context
+from weaver.models.config import check_context, is_count
 
 
 def corpus_prompts(corpus_dir: Path, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
@@ -55,6 +57,11 @@ def generate_rollouts(
     work_dir: Path,
 ) -> None:
     check_context(target.cfg, rollouts.prompt_tokens, rollouts.max_new_tokens, "rollouts.prompt_tokens")
+    samples = rollouts.get("samples_per_prompt", 1)
+    if not is_count(samples) or (samples > 1 and rollouts.temperature <= 0):
+        raise WeaverError(f"rollouts.samples_per_prompt must be a whole number >= 1, and 1 when greedy "
+                          f"(rollouts.temperature 0 gives one response per prompt), got {samples!r}")
+    prompts = [p for p in prompts for _ in range(samples)]  # a prompt's samples are consecutive rollouts
     shards_dir = work_dir / "shards"
     n_shards = -(-len(prompts) // rollouts.shard_size)
     generator = torch.Generator().manual_seed(seed)

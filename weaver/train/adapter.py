@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from weaver.data.states import StoredStates
+from weaver.errors import WeaverError
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, save_adapter
 from weaver.models.checkpoint import check_tokenizer, check_tokenizer_fingerprint, tokenizer_fingerprint
 from weaver.models.drafter import Drafter
@@ -30,21 +31,32 @@ from weaver.train.target import init_weights
 
 def pool_losses(log_q: torch.Tensor, teacher_logits: torch.Tensor, pool_tokens: torch.Tensor,
                 labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-node KL(p_pool || q), TV(p_pool, q), CE on the label (0 when outside the pool), and whether the
-    label is in the pool; p_pool is the target's distribution restricted to the pool and renormalised.
+    """Per-node KL(p_pool || q), TV(p_pool, q), CE on the label (0 when outside the pool), whether the
+    label is in the pool, and `accept` = sum_x min(p(x), q(x)): the probability that rejection sampling
+    accepts one draft token drawn from q, where p is the target's whole distribution (its mass outside the
+    pool is never accepted); p_pool is p restricted to the pool and renormalised.
 
     log_q (..., M) adapter log-probs over the pool; teacher_logits (..., V); pool_tokens (..., M); labels (...)."""
     log_p = teacher_logits.float().log_softmax(-1).gather(-1, pool_tokens)
     log_p_pool = log_p - log_p.logsumexp(-1, keepdim=True)
-    p_pool = log_p_pool.exp()
+    p_pool, q = log_p_pool.exp(), log_q.exp()
     in_pool = pool_tokens == labels[..., None]
     return {
         "kl": (p_pool * (log_p_pool - log_q)).sum(-1),
-        "tv": 0.5 * (p_pool - log_q.exp()).abs().sum(-1),
+        "tv": 0.5 * (p_pool - q).abs().sum(-1),
         "ce": -(log_q * in_pool).sum(-1),
         "covered": in_pool.any(-1).float(),
         "pool_mass": log_p.exp().sum(-1),
+        "accept": torch.minimum(log_p.exp(), q).sum(-1),
     }
+
+
+def expected_chain_length(accept: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per anchor, 1 + sum_d prod_{k<=d} accept[k]: the expected committed tokens of one verify step of a
+    one-child-per-depth tree under rejection sampling, when the accepted tokens follow the rollout (exact
+    in expectation for rollouts sampled from the target at the same temperature). Depths past the rollout's
+    end count as rejected. accept, valid (A, D) -> (A,)."""
+    return 1 + (accept * valid).cumprod(-1).sum(-1)
 
 
 def adapter_loss(
@@ -71,8 +83,8 @@ def adapter_loss(
     terms = pool_losses(scores.log_softmax(-1), teacher, pool_tokens, labels)
     prior = pool_losses(pool_logits.log_softmax(-1), teacher, pool_tokens, labels)
 
-    def mean(x: torch.Tensor) -> torch.Tensor:
-        return (x * valid).sum() / valid.sum().clamp(min=1)
+    def mean(x: torch.Tensor, where: torch.Tensor = valid) -> torch.Tensor:
+        return (x * where).sum() / where.sum().clamp(min=1)
 
     loss = mix.kl * mean(terms["kl"]) + mix.tv * mean(terms["tv"]) + mix.ce * mean(terms["ce"])
     top1 = pool_tokens.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1) == labels
@@ -80,7 +92,36 @@ def adapter_loss(
         "tv": mean(terms["tv"]).item(), "tv_prior": mean(prior["tv"]).item(),
         "acc": mean(top1.float()).item(), "acc_prior": mean((pool_tokens[..., 0] == labels).float()).item(),
         "coverage": mean(terms["covered"]).item(), "pool_mass": mean(terms["pool_mass"]).item(),
+        # sampling (rejection sampling at temperature 1): depth-1 acceptance and a chain's expected length
+        "accept_d1": mean(terms["accept"][:, 0], valid[:, 0]).item(),
+        "accept_d1_prior": mean(prior["accept"][:, 0], valid[:, 0]).item(),
+        "tau_rrs": expected_chain_length(terms["accept"], valid).mean().item(),
+        "tau_rrs_prior": expected_chain_length(prior["accept"], valid).mean().item(),
     }
+
+
+def split_heldout(rows: datasets.Dataset, n: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """(rows to train on, the last n rollouts held out, or None when n is 0)."""
+    if not isinstance(n, int) or not 0 <= n < len(rows):
+        raise WeaverError(f"weaver.train.heldout_rollouts must be a whole number from 0 to {len(rows) - 1} "
+                          f"(the rollouts: {len(rows)}), got {n!r}")
+    if n == 0:
+        return rows, None
+    return rows.select(range(len(rows) - n)), rows.select(range(len(rows) - n, len(rows)))
+
+
+def heldout_metrics(rows: datasets.Dataset, collate, loss_fn, batch_size: int, device: torch.device):
+    """evaluate(adapter) -> the adapter's metrics on held-out rollouts (means over their batches, prefixed
+    `heldout_`): the quantities τ is made of (accept_d1, tau_rrs; acc for greedy) on data it never saw."""
+    batches = [collate([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
+               for start in range(0, len(rows), batch_size)]
+
+    @torch.no_grad()
+    def evaluate(adapter: WeaverAdapter) -> dict[str, float]:
+        logs = [loss_fn(adapter, tuple(x.to(device) if torch.is_tensor(x) else x for x in batch))[1] for batch in batches]
+        return {f"heldout_{k}": sum(log[k] for log in logs) / len(logs) for k in logs[0]}
+
+    return evaluate
 
 
 def optimizers(adapter: WeaverAdapter, train: DictConfig) -> list[torch.optim.Optimizer]:
@@ -108,6 +149,7 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
     target.requires_grad_(False)
     drafter.requires_grad_(False)
     rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
+    rows, heldout = split_heldout(rows, train.get("heldout_rollouts", 0))
     accelerator = make_accelerator(cfg, f"{cfg.experiment}-weaver", train.precision)
     target.to(accelerator.device)
     drafter.to(accelerator.device)
@@ -120,13 +162,15 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
 
     n_params = sum(p.numel() for p in adapter.parameters())
     accelerator.print(f"weaver adapter: {n_params / 1e6:.2f}M parameters, pool {w.pool_size}, {len(rows)} rollouts")
+    evaluate = None if heldout is None else heldout_metrics(heldout, collate, loss_fn, train.batch_size, accelerator.device)
     metrics = fit(accelerator, adapter, optimizers(adapter, train), rows, collate, loss_fn, train, work_dir,
-                  cfg.seed, desc="weaver")
+                  cfg.seed, evaluate=evaluate, desc="weaver")
     adapter = adapter.float().cpu().eval()
     summary = {"params": n_params, **metrics}
     sha = tokenizer_fingerprint(tokenizer)  # saved with the adapter: loading checks it against the target's
     write_artifact(accelerator, lambda out: save_adapter(adapter, out, sha), out_dir, summary,
                    f"weaver: final loss {metrics['loss']:.3f}; TV to the target on the pool {metrics['tv']:.3f} "
                    f"(drafter prior {metrics['tv_prior']:.3f}); top-1 {metrics['acc']:.2f} "
-                   f"(prior {metrics['acc_prior']:.2f}); pool coverage {metrics['coverage']:.2f}")
+                   f"(prior {metrics['acc_prior']:.2f}); pool coverage {metrics['coverage']:.2f}; sampling: "
+                   f"expected chain length {metrics['tau_rrs']:.2f} (prior {metrics['tau_rrs_prior']:.2f})")
     return summary
