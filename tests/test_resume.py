@@ -1,10 +1,11 @@
 """Kill anywhere, rerun the same command, same result (issue #18).
 
-Each test runs train.py / eval.py as a real process, SIGKILLs it (no cleanup handlers run) at a point
-inside a stage — mid-write of a folder, right after a checkpoint or a shard — reruns the same command,
-and compares what comes out with an uninterrupted run: weights equal to 1e-6, rollouts and stored states
-row for row, eval rows once each. The reruns must also say that they resumed, so a "resume" that quietly
-starts over fails too.
+Each test runs train.py / eval.py as a real process and SIGKILLs it (no cleanup handler runs) at a point
+inside a stage — a folder written but not yet published, right after a checkpoint or a shard — by
+tests/kill_at.py, which kills the process from inside at that exact call (so the point is hit on a fast
+machine too), or after a random delay. It reruns the same command and compares what comes out with an
+uninterrupted run: weights equal to 1e-6, rollouts and stored states row for row, eval rows once each.
+The reruns must also say that they resumed, so a "resume" that quietly starts over fails too.
 """
 
 from __future__ import annotations
@@ -54,14 +55,19 @@ def kill_when(script: str, outputs: Path, overrides: tuple[str, ...], ready: Cal
     return log.read_text()
 
 
+def kill_at(point: tuple[str, str, str], script: str, outputs: Path, overrides: tuple[str, ...]) -> str:
+    """Run `script` until `point` = (before|after, module.function, argument pattern), where it is SIGKILLed
+    (tests/kill_at.py); returns its output. Fails unless it died of that kill."""
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_at.py"), *point, script, *overrides], cwd=ROOT,
+                          env=_env(outputs), capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, f"not killed at {point}:\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
 def run_to_end(script: str, outputs: Path, overrides: tuple[str, ...]) -> str:
     done = subprocess.run([sys.executable, script, *overrides], cwd=ROOT, env=_env(outputs), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
-
-
-def exists(outputs: Path, pattern: str) -> Callable[[], bool]:
-    return lambda: any((outputs / "artifacts").glob(pattern))
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -85,15 +91,16 @@ def test_train_killed_in_every_stage_resumes_to_the_same_artifacts(smoke_outputs
     """Five kills of one smoke training run, one inside each stage; the final rerun's artifacts equal those
     of the uninterrupted run (tests/conftest.py::smoke_outputs)."""
     out = tmp_path / "outputs"
-    kill_points = [  # what must exist on disk when the process is killed
-        "corpus-*.tmp-*",  # the corpus folder half written
-        "target-*.work/checkpoints/step-0000020",  # right after a checkpoint
-        "target-*.work/checkpoints/step-0000040.tmp",  # a checkpoint half written
-        "rollouts-*.work/shards/shard-00000",  # right after a shard
-        "drafter-*.work/checkpoints/step-0000015",
-        "weaver-*.work/checkpoints/step-0000010",
+    checkpoint = "weaver.train.common.durable_rename"  # publishes a checkpoint (step-N.tmp -> step-N)
+    kill_points = [
+        ("before", "weaver.io.durable_rename", "*corpus-*"),  # the corpus folder written, not published
+        ("after", checkpoint, "*target-*step-0000020"),  # right after a checkpoint
+        ("before", checkpoint, "*target-*step-0000040"),  # a checkpoint written, not published
+        ("after", "weaver.io.durable_rename", "*rollouts-*shard-00000"),  # right after a shard
+        ("after", checkpoint, "*drafter-*step-0000015"),
+        ("after", checkpoint, "*weaver-*step-0000010"),
     ]
-    logs = [kill_when("train.py", out, SMOKE, exists(out, pattern)) for pattern in kill_points]
+    logs = [kill_at(point, "train.py", out, SMOKE) for point in kill_points]
     final = run_to_end("train.py", out, SMOKE)
     # each rerun resumed the stage its predecessor was killed in (a half-written checkpoint is not resumed from)
     assert "resuming target" in logs[2] and "(step 20)" in logs[2] and "(step 20)" in logs[3]
@@ -120,7 +127,7 @@ def test_train_killed_at_random_moments_ends_as_an_uninterrupted_run(smoke_outpu
     out, delays = tmp_path / "outputs", torch.Generator().manual_seed(kills)
     killed = 0
     for _ in range(kills):
-        delay = 3 + 6 * torch.rand((), generator=delays).item()  # the imports take ~3 s, the whole run ~10 s
+        delay = 2 + 3 * torch.rand((), generator=delays).item()  # the imports alone take ~3 s, the run ~10 s
         start = time.monotonic()
         if kill_when("train.py", out, SMOKE, lambda: time.monotonic() - start > delay, may_finish=True) is None:
             break
@@ -161,7 +168,7 @@ def test_states_killed_after_a_shard_resume_to_the_same_states(smoke_outputs, tm
         out = tmp_path / name
         shutil.copytree(smoke_outputs / "artifacts", out / "artifacts")
         if name == "killed":
-            kill_when("train.py", out, overrides, exists(out, "states-*.work/shards/shard-00000.safetensors"))
+            kill_at(("after", "weaver.data.states.durable_rename", "*shard-00000.safetensors"), "train.py", out, overrides)
         runs[name] = (run_to_end("train.py", out, overrides), next((out / "artifacts").glob("states-*[!k]")))
     assert "states: resuming, 1 of 3 shards" in runs["killed"][0]
     killed, whole = runs["killed"][1], runs["whole"][1]
@@ -179,10 +186,12 @@ def test_eval_killed_twice_resumes_without_redoing_or_duplicating_rows(smoke_out
     every finished measurement (same numbers) and each (dataset, method, budget) row appears once."""
     results = tmp_path / "eval"
     overrides = (*EVAL, f"eval.out_dir={results}")
-    kill_when("eval.py", smoke_outputs, overrides, lambda: any(results.glob(".partial/*/heldout_code--ddtree--2.json")))
+    kill_at(("after", "weaver.eval.results.atomic_write_json", "*heldout_code--ddtree--2.json*"), "eval.py",
+            smoke_outputs, overrides)
     finished = {p.name: json.loads(p.read_text()) for p in results.glob(".partial/*/*--*.json")}
-    assert {"heldout_code--ar--None.json", "heldout_code--chain--7.json"} <= set(finished)
-    kill_when("eval.py", smoke_outputs, overrides, (results / "results.jsonl").exists)
+    assert {"heldout_code--ar--None.json", "heldout_code--chain--7.json", "heldout_code--ddtree--2.json"} <= set(finished)
+    kill_at(("after", "weaver.eval.run.append_rows", "*results.jsonl*"), "eval.py", smoke_outputs, overrides)
+    assert (results / "results.jsonl").exists()
     log = run_to_end("eval.py", smoke_outputs, overrides)
     assert "resuming a killed run" in log
     rows = [json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()]
