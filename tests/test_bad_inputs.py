@@ -25,6 +25,7 @@ from hf_tiny import VOCAB, save_tiny_hf_model, tiny_config
 from weaver.budget import BudgetPlanner, check_budgets, measure_step_costs
 from weaver.data.prompts import encode_prompts, load_prompt_set
 from weaver.engine import speculative_generate
+from weaver.eval.run import check_names
 from weaver.errors import WeaverError
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, load_adapter, save_adapter
 from weaver.models.checkpoint import load_target, load_tokenizer, tokenizer_fingerprint
@@ -242,6 +243,9 @@ CASES = [
      "eval.auto_budget.candidates must be numbers of draft nodes (>= 1)"),
     ("eval.budgets entries", lambda m, t: check_budgets([4, 0, 2.5, True, "auto"]),
      "eval.budgets entries are numbers of draft nodes (>= 1) or 'auto', got [0, 2.5, True]"),
+    ("eval.seed not a number", lambda m, t: check_names(OmegaConf.create(
+        {"eval": {"methods": ["ar"], "datasets": [], "budgets": [4], "seed": "x"}, "prompt_sets": {}})),
+     "eval.seed must be a whole number >= 0, got 'x'"),
     # --- Weaver search settings ---
     ("more search children than the adapter's pool", lambda m, t: spec(m, method="weaver", budget=8, adapter=m.adapter, width=32),
      "weaver.search.children=32 is more than the adapter's pool of 16 candidates per position (weaver.pool_size): at most 16"),

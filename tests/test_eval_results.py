@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
 from weaver.eval import plots
-from weaver.eval.results import append_rows, markdown_table, read_rows, summarize, write_summary
+from weaver.eval.results import append_rows, markdown_table, mean_over_seeds, read_rows, summarize, write_summary
 from weaver.eval.tracking import log_eval_run, wandb_enabled
 
 
@@ -59,11 +59,36 @@ def test_a_single_dataset_has_no_macro_row():
 def test_markdown_and_csv_summaries(tmp_path):
     summary = write_summary(tmp_path, ROWS)
     md = (tmp_path / "summary.md").read_text()
-    assert "| code | ddtree | 4 | 0 | 2.50 | 200.0 | 2.00x | 20% / 5% / 70% | True |" in md
-    assert "| macro | chain | 3 | 0 | 1.75 | 125.0 | 1.75x | - | True |" in md
+    assert "| code | ddtree | 4 | 0 | - | 2.50 | 200.0 | 2.00x | 20% / 5% / 70% | True |" in md
+    assert "| macro | chain | 3 | 0 | - | 1.75 | 125.0 | 1.75x | - | True |" in md
     table = list(csv.DictReader(io.StringIO((tmp_path / "summary.csv").read_text())))
     assert len(table) == len(summary) and table[0]["experiment"] == "toy" and "accept_hist" not in table[0]
     assert markdown_table(summary) + "\n" == md
+
+
+def _sampled(rows: list[dict], seed: int, tau_shift: float) -> list[dict]:
+    return [{**r, "temperature": 1.0, "sampling": "rrs", "seed": seed, "tau": r["tau"] + tau_shift} for r in rows]
+
+
+def test_sampling_seeds_are_separate_rows_and_macro_gives_their_spread():
+    summary = summarize(_sampled(ROWS, 0, 0.0) + _sampled(ROWS, 1, 0.2) + _sampled(ROWS, 2, 0.4))
+    assert len([r for r in summary if r["dataset"] == "code" and r["method"] == "ddtree"]) == 6  # 2 budgets x 3 seeds
+    macro = {(r["method"], r["budget"]): r for r in summary if r["dataset"] == "macro"}
+    assert macro["ddtree", 8]["tau"] == pytest.approx(2.6 + 0.2) and macro["ddtree", 8]["n_seeds"] == 3
+    assert macro["ddtree", 8]["tau_std_over_seeds"] == pytest.approx(0.2)  # per-seed macros 2.6, 2.8, 3.0
+    assert "| macro | ddtree | 8 | 1 | 3 seeds | 2.80 ± 0.20 |" in markdown_table(summary)
+    one_seed = summarize(_sampled(ROWS, 5, 0.0))
+    assert "| code | ddtree | 8 | 1 | 5 | 3.00 |" in markdown_table(one_seed)
+    assert all(r.get("tau_std_over_seeds") is None for r in one_seed)
+
+
+def test_figures_plot_the_mean_over_seeds():
+    merged = mean_over_seeds(_sampled(ROWS, 0, 0.0) + _sampled(ROWS, 1, 0.2))
+    assert len(merged) == len(ROWS)
+    ddtree = next(r for r in merged if r["dataset"] == "code" and r["budget"] == 8)
+    assert ddtree["tau"] == pytest.approx(3.1) and ddtree["n_seeds"] == 2 and ddtree["accept_hist"] == [6, 4, 2, 0]
+    tau = plots.tau_vs_budget(summarize(_sampled(ROWS, 0, 0.0) + _sampled(ROWS, 1, 0.2)))
+    assert [list(line.get_xdata()) for line in tau.axes[0].lines] == [[3], [4, 8]]  # chain, ddtree: once per budget
 
 
 def _append_one(args: tuple[Path, int]) -> None:

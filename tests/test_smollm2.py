@@ -2,19 +2,26 @@
 
 The pipeline tests train `+experiment=smollm2_smoke` (rollouts from prompt sets in SmolLM2's chat template,
 stored target states, a drafter, an adapter; a few steps each, about a minute) and check that every decoding
-method reproduces transformers' own greedy `generate` on 24 prompts of the three eval sets."""
+method reproduces transformers' own greedy `generate` on 24 prompts of the three eval sets. The slow tests
+check sampling at temperature 1 on the same target: the emitted tokens follow the target's own distribution."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from scipy.stats import chi2
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
+import weaver.engine
 from conftest import run_script
+from test_adapter import accept_every_draft
+from weaver.engine import speculative_generate
 from weaver.eval.results import read_rows
 from weaver.generate import generate
 from weaver.pipeline import ROOT_CONF, gguf_as_safetensors, load_target_and_tokenizer
@@ -88,3 +95,88 @@ def test_every_method_reproduces_transformers_greedy_generate(smoke_trained, tmp
     assert sum(r["n_prompts"] for r in rows if r["method"] == "weaver") == 24
     assert all(r["matches_transformers"] is True and r["greedy_match"] is True for r in rows)
     assert any(r["tau"] > 1.5 for r in rows if r["method"] == "oracle")  # the accept-and-commit path ran too
+
+
+# --- Lossless at temperature 1 on the real target (issue #17) -----------------------------------------------
+# A drafter and adapter trained on 32 sampled responses to one prompt (so their drafts are often accepted
+# there: the acceptance path, not only the bonus token, decides what is emitted); the first three tokens of
+# many sampled decodes of that prompt against the target's exact distribution over 3-token continuations.
+SAMPLED = ("+experiment=smollm2_smoke", "rollouts.prompts=[train_math]", "rollouts.n_prompts=1", "rollouts.temperature=1.0",
+           "rollouts.samples_per_prompt=32", "drafter.train.steps=120", "weaver.train.steps=30",
+           "weaver.train.loss={kl:1.0,tv:1.0,ce:0.0}")
+N_TOKENS = 3
+MIN_EXPECTED = 5  # Pearson's rule: cells expecting fewer draws are pooled into one
+
+
+@pytest.fixture(scope="module")
+def sampled_models(outputs, smollm2):
+    from weaver.data.rollouts import set_prompts
+    from weaver.eval.run import load_models
+
+    done = run_script("train.py", outputs, *SAMPLED)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        cfg = compose("eval", overrides=[*SAMPLED, f"paths.root={outputs}", "eval.methods=[weaver]"])
+    models, tokenizer = load_models(cfg)
+    return models, set_prompts(cfg, tokenizer)[0]
+
+
+@torch.inference_mode()
+def likely_continuations(target, prompt: list[int], n_tokens: int, min_prob: float) -> dict[tuple[int, ...], float]:
+    """The exact probability (temperature 1) of every n-token continuation at least min_prob likely; its
+    prefixes are at least as likely, so one batched target forward per depth finds them all."""
+    likely = {(): 1.0}
+    for _ in range(n_tokens):
+        prefixes = list(likely)
+        logits = target(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+        joint = torch.softmax(logits.double(), -1) * torch.tensor([likely[p] for p in prefixes], dtype=torch.double)[:, None]
+        rows, tokens = (joint >= min_prob).nonzero(as_tuple=True)
+        likely = {prefixes[r] + (t,): float(joint[r, t]) for r, t in zip(rows.tolist(), tokens.tolist())}
+    return likely
+
+
+def chi_square_pvalue(samples: list[tuple[int, ...]], likely: dict[tuple[int, ...], float]) -> float:
+    """Pearson test of the samples' counts over the likely continuations plus one cell for all the rest."""
+    counts = Counter(samples)
+    observed = [counts[c] for c in likely] + [len(samples) - sum(counts[c] for c in likely)]
+    expected = [p * len(samples) for p in likely.values()]
+    expected.append(len(samples) - sum(expected))
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    return float(chi2.sf(stat, len(expected) - 1))
+
+
+def first_tokens(models, prompt: list[int], method: str, trials: int) -> tuple[list[tuple[int, ...]], float]:
+    """The first N_TOKENS tokens of `trials` sampled decodes, and the share of them whose first step
+    accepted at least one draft."""
+    generator = torch.Generator().manual_seed(0)
+    extra = {"adapter": models["adapter"]} if method == "weaver" else {}
+    samples, accepting = [], 0
+    for _ in tqdm(range(trials), desc=method, leave=False):
+        tokens, stats = speculative_generate(models["target"], models["drafter"], prompt, N_TOKENS, 1.0, None, generator,
+                                             method, 2 if method == "chain" else 6, **extra)
+        samples.append(tuple(tokens))
+        accepting += stats.accepted[0] > 0
+    return samples, accepting / trials
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["chain", "ddtree", "weaver"])
+def test_sampling_on_smollm2_reproduces_the_target_distribution(sampled_models, method):
+    models, prompt = sampled_models
+    trials = 1000
+    samples, accepting = first_tokens(models, prompt, method, trials)
+    likely = likely_continuations(models["target"], prompt, N_TOKENS, MIN_EXPECTED / trials)
+    assert len(likely) >= 10 and accepting > 0.05, (len(likely), accepting)  # a spread of cells; drafts accepted
+    pvalue = chi_square_pvalue(samples, likely)
+    print(f"{method}: {trials} decodes, {len(likely)} cells + rest, first step accepted a draft in {accepting:.0%}, p = {pvalue:.3f}")
+    assert pvalue > 1e-3
+
+
+@pytest.mark.slow
+def test_an_accept_everything_rule_fails_the_smollm2_test(sampled_models, monkeypatch):
+    models, prompt = sampled_models
+    monkeypatch.setattr(weaver.engine, "recursive_rejection_tree", accept_every_draft)
+    samples, _ = first_tokens(models, prompt, "weaver", 500)
+    pvalue = chi_square_pvalue(samples, likely_continuations(models["target"], prompt, N_TOKENS, MIN_EXPECTED / 500))
+    print(f"accept-everything rule: p = {pvalue:.1e}")
+    assert pvalue < 1e-6

@@ -12,14 +12,15 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from weaver.eval.results import MACRO
+from weaver.eval.results import MACRO, mean_over_seeds
 
 
 def _series(rows: list[dict]) -> dict[str, list[dict]]:
-    """Rows grouped into plotted series: by method, and by temperature too when there are several."""
+    """Rows grouped into plotted series: by method, and by temperature too when there are several; one
+    measurement's rows at several sampling seeds are plotted as their mean."""
     several = len({r["temperature"] for r in rows}) > 1
     out: dict[str, list[dict]] = {}
-    for r in rows:
+    for r in mean_over_seeds(rows):
         out.setdefault(f"{r['method']}, T={r['temperature']:g}" if several else r["method"], []).append(r)
     return out
 

@@ -1,10 +1,11 @@
 """Result rows: appended to results.jsonl (safe for concurrent multirun jobs), summarised as CSV and markdown.
 
 Every eval run appends its rows; the summary is rebuilt from the whole file. A rerun of the same
-measurement (same experiment, dataset, method, budget, temperature and sizes) replaces the older row in
+measurement (same experiment, dataset, method, budget, temperature, sampling seed and sizes) replaces the older row in
 the summary. A row measured without AR in the same run (e.g. a multirun job over methods) takes its
 speedup from the matching AR row in the file. Per method, budget and temperature, a "macro" row averages
-τ, tokens/s and speedup over the datasets, as the paper reports its headline numbers.
+τ, tokens/s and speedup over the datasets (and sampling seeds, with τ's standard deviation over seeds), as
+the paper reports its headline numbers.
 
 An eval run keeps each finished measurement in `.partial/<run key>/` beside results.jsonl (`PartialRun`):
 a killed run, rerun with the same command, reuses them instead of measuring again, and appends each
@@ -20,8 +21,9 @@ import io
 import json
 import shutil
 import uuid
+from itertools import zip_longest
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, stdev
 
 from filelock import FileLock
 
@@ -30,12 +32,13 @@ from weaver.io import atomic_write_json, atomic_write_text, writable_dir
 
 MACRO = "macro"
 # What makes two rows the same measurement; the last one in the file wins.
-KEY_FIELDS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "n_prompts", "prompt_tokens",
-              "max_new_tokens")
+KEY_FIELDS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "seed", "n_prompts",
+              "prompt_tokens", "max_new_tokens")
 # What an AR row must share with a row for its tokens/s to be that row's baseline.
 BASELINE_FIELDS = ("experiment", "dataset", "temperature", "n_prompts", "prompt_tokens", "max_new_tokens")
 MACRO_FIELDS = ("tau", "tokens_per_s", "speedup_vs_ar")
-SUMMARY_COLUMNS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "tau", "tokens_per_s", "speedup_vs_ar",
+SUMMARY_COLUMNS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "seed", "n_seeds", "tau",
+                   "tau_std_over_seeds", "tokens_per_s", "speedup_vs_ar",
                    "greedy_match", "matches_transformers", "mean_budget", "draft_share", "search_share", "verify_share",
                    "accept_share", "commit_share", "other_share", "n_prompts", "n_tokens", "prompt_tokens", "max_new_tokens")
 
@@ -126,7 +129,7 @@ def with_speedups(rows: list[dict]) -> list[dict]:
 
 def macro_rows(rows: list[dict]) -> list[dict]:
     """Per (experiment, method, budget, temperature, sampling rule) measured on two or more datasets: means
-    over datasets."""
+    over datasets and seeds, and the spread of the per-seed macro τ (standard deviation over seeds)."""
     group_fields = ("experiment", "method", "budget", "temperature", "sampling")
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -137,11 +140,33 @@ def macro_rows(rows: list[dict]) -> list[dict]:
         if len({m["dataset"] for m in members}) < 2:
             continue
         means = {f: fmean(m[f] for m in members) if all(m.get(f) is not None for m in members) else None for f in MACRO_FIELDS}
+        seed_taus = [fmean(m["tau"] for m in members if m.get("seed") == seed) for seed in {m.get("seed") for m in members}]
         out.append({
             **dict(zip(group_fields, key)), "dataset": MACRO, **means,
+            "n_seeds": len(seed_taus), "tau_std_over_seeds": stdev(seed_taus) if len(seed_taus) > 1 else None,
             **{f: _all([m.get(f) for m in members]) for f in ("greedy_match", "matches_transformers")},
             "n_prompts": sum(m["n_prompts"] for m in members), "n_tokens": sum(m["n_tokens"] for m in members),
         })
+    return out
+
+
+def mean_over_seeds(rows: list[dict]) -> list[dict]:
+    """Rows of one measurement at several sampling seeds merged into one: τ, tokens/s and speedup averaged,
+    acceptance histograms added up (what a figure plots)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(_key(r, tuple(f for f in KEY_FIELDS if f != "seed")), []).append(r)
+    out = []
+    for members in groups.values():
+        if len(members) == 1:
+            out.append(members[0])
+            continue
+        merged = {**members[0], "seed": None, "n_seeds": len(members)}
+        merged.update({f: fmean(m[f] for m in members) if all(m.get(f) is not None for m in members) else None
+                       for f in MACRO_FIELDS})
+        if all(m.get("accept_hist") for m in members):
+            merged["accept_hist"] = [sum(h) for h in zip_longest(*(m["accept_hist"] for m in members), fillvalue=0)]
+        out.append(merged)
     return out
 
 
@@ -166,14 +191,23 @@ def _fmt(value, spec: str = "", suffix: str = "") -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| dataset | method | budget | T | τ | tokens/s | speedup vs AR | draft / search / verify share | greedy match | = transformers |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dataset | method | budget | T | seed | τ | tokens/s | speedup vs AR | draft / search / verify share | greedy match | = transformers |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shares = " / ".join(f"{r[k]:.0%}" for k in ("draft_share", "search_share", "verify_share")) if r.get("search_share") is not None else "-"
-        lines.append(f"| {r['dataset']} | {r['method']} | {_fmt(r['budget'])} | {r['temperature']:g} | {r['tau']:.2f} | "
+        lines.append(f"| {r['dataset']} | {r['method']} | {_fmt(r['budget'])} | {r['temperature']:g} | {_seeds(r)} | {_tau(r)} | "
                      f"{_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_ar'], '.2f', 'x')} | {shares} | "
                      f"{_fmt(r.get('greedy_match'))} | {_fmt(r.get('matches_transformers'))} |")
     return "\n".join(lines)
+
+
+def _seeds(row: dict) -> str:
+    return f"{row['n_seeds']} seeds" if row.get("n_seeds", 1) > 1 else _fmt(row.get("seed"))
+
+
+def _tau(row: dict) -> str:
+    spread = row.get("tau_std_over_seeds")
+    return f"{row['tau']:.2f}" + (f" ± {spread:.2f}" if spread is not None else "")
 
 
 def csv_table(rows: list[dict]) -> str:

@@ -36,7 +36,7 @@ from weaver.eval.results import PartialRun, append_rows, markdown_table, summari
 from weaver.eval.tracking import log_eval_run, wandb_enabled
 from weaver.generate import generate, until_eos
 from weaver.io import writable_dir
-from weaver.models.config import check_context
+from weaver.models.config import check_context, is_count
 from weaver.pipeline import load_adapter_for, load_drafter_for, load_target_and_tokenizer, target_folder
 
 Models = dict[str, Any]  # "target", whatever the selected methods need ("drafter", ...), "step_costs" (budget: auto)
@@ -103,7 +103,7 @@ def run_ar(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int |
     fused kernels round differently and can flip near-ties: seen on AVX2-only CPUs; the AR row's own
     greedy_match says whether the compiled baseline agreed.) with_reference=False: skip that extra pass
     (reference None) for a caller that already has it."""
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.eval.seed)
     e = cfg.eval
     target = models["target"]
     outputs, _, seconds = decode_all(
@@ -120,7 +120,7 @@ def run_ar(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int |
 
 def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, method: str,
                     budget: int | str) -> dict:
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.eval.seed)
     e = cfg.eval
     drafter = models["drafter"]
     label = f"{method}@{budget}"
@@ -212,11 +212,13 @@ def warm_up(models: Models, cfg: DictConfig, token: int) -> None:
 
 
 def check_names(cfg: DictConfig) -> None:
-    """Refuse unknown methods and datasets, and malformed budgets, before anything slow happens."""
+    """Refuse unknown methods and datasets, malformed budgets and seeds, before anything slow happens."""
     unknown = [m for m in cfg.eval.methods if m not in METHODS] + [d for d in cfg.eval.datasets if d not in cfg.prompt_sets]
     if unknown:
         raise WeaverError(f"unknown method/dataset {unknown}; methods: {list(METHODS)}, datasets: {list(cfg.prompt_sets)}")
     check_budgets(list(cfg.eval.budgets))
+    if not is_count(cfg.eval.seed, 0):
+        raise WeaverError(f"eval.seed must be a whole number >= 0, got {cfg.eval.seed!r}")
     if "auto" in cfg.eval.budgets:
         check_candidates(list(cfg.eval.auto_budget.candidates))
 
@@ -226,7 +228,8 @@ def result_row(cfg: DictConfig, dataset: str, method: str, budget: int | None, r
     e = cfg.eval
     return {
         "experiment": cfg.experiment, "dataset": dataset, "method": method, "budget": budget,
-        "temperature": e.temperature, "sampling": e.sampling if e.temperature > 0 else None, "tau": r["tau"], "tokens_per_s": r["tokens_per_s"],
+        "temperature": e.temperature, "sampling": e.sampling if e.temperature > 0 else None,
+        "seed": e.seed if e.temperature > 0 else None, "tau": r["tau"], "tokens_per_s": r["tokens_per_s"],
         "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"] if ar else None,
         "n_prompts": n_prompts, "n_tokens": r["n_tokens"],
         "greedy_match": r["outputs"] == ar["reference"] if ar and e.temperature == 0 else None,
@@ -271,8 +274,8 @@ def evaluate(cfg: DictConfig) -> list[dict]:
         models["transformers"] = load_transformers_target(cfg, models["target"])
     n_runs = len(e.datasets) * sum(len(METHODS[m].budgets(cfg, models)) for m in e.methods)
     partial = PartialRun(out_dir, OmegaConf.to_container(cfg, resolve=True))
-    if partial.done():
-        print(f"eval: resuming a killed run, {partial.done()} measurements already done ({partial.folder})")
+    if done := partial.done():
+        print(f"eval: resuming a killed run, {done} measurements already done ({partial.folder})")
     rows, all_rows = [], []
     with tqdm(total=n_runs, desc="eval") as bar:
         for name, rows_of_set in prompt_sets.items():
