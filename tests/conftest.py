@@ -34,6 +34,9 @@ def target(request, tmp_path_factory):
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# these run inside the SGLang environment (tests/test_serving.py starts them there)
+collect_ignore = ["serving_sglang"]
+
 
 def run_script(script: str, outputs: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
     """Run train.py or eval.py with its artifacts under `outputs`, W&B off unless `env` says otherwise."""

@@ -1,0 +1,62 @@
+"""The weaver plugin inside the real SGLang: found through its entry point, registered, and, until the SGLang
+worker exists, refusing a launch with one clear message before any model loads.
+
+Runs in the SGLang environment (`bash scripts/install.sh --serve`; tests/test_serving.py starts it).
+"""
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+from weaver.serving.sglang import ALGORITHMS, register
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny random Qwen3 checkpoint: enough for SGLang to resolve its server arguments."""
+    folder = tmp_path_factory.mktemp("qwen3")
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_the_entry_point_registers_every_algorithm():
+    entry = [e for e in importlib.metadata.entry_points(group="sglang.srt.plugins") if e.name == "weaver"]
+    assert [e.value for e in entry] == ["weaver.serving.sglang:register"]
+    load_plugins()  # what SGLang runs first in every process it starts
+    for name in ALGORITHMS:
+        algorithm = SpeculativeAlgorithm.from_string(name.lower())
+        assert isinstance(algorithm, CustomSpecAlgo) and algorithm.is_speculative() and not algorithm.is_eagle()
+    register()  # SGLang may load plugins again: no "already registered" error
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_server_args_resolution_stops_with_the_reason(name, tiny_model):
+    load_plugins()
+    args = ServerArgs(model_path=str(tiny_model), speculative_algorithm=name, device="cpu")
+    with pytest.raises(NotImplementedError, match=f"{name} is registered with SGLang by the weaver plugin, but its "
+                                                  "SGLang worker .* is not built yet"):
+        args.resolve_once()
+    with pytest.raises(ValueError, match="Unknown speculative algorithm name: NOT_WEAVER"):
+        ServerArgs(model_path=str(tiny_model), speculative_algorithm="NOT_WEAVER", device="cpu").resolve_once()
+
+
+def test_launch_server_finds_the_plugin_and_stops_before_loading(tiny_model):
+    """`python -m sglang.launch_server --speculative-algorithm WEAVER`, as a user types it."""
+    run = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model), "--device", "cpu",
+         "--speculative-algorithm", "WEAVER", "--port", "39123"],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "WEAVER is registered with SGLang by the weaver plugin" in run.stderr + run.stdout
+    assert "Unknown speculative algorithm" not in run.stderr + run.stdout
