@@ -9,25 +9,19 @@ import subprocess
 import sys
 
 import pytest
-import torch
-import transformers
 from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from checkpoints import TARGET, checkpoint
 from weaver.serving.sglang import ALGORITHMS, register
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+def tiny_model():
     """A tiny random Qwen3 checkpoint: enough for SGLang to resolve its server arguments."""
-    folder = tmp_path_factory.mktemp("qwen3")
-    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
-    return folder
+    return checkpoint(TARGET)
 
 
 def test_the_entry_point_registers_every_algorithm():
