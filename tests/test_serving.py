@@ -10,6 +10,7 @@ import torch
 
 from conftest import ROOT
 from hf_tiny import save_tiny_hf_model
+from serving_sglang.checkpoints import DRAFTER, TARGET
 from weaver.models.checkpoint import load_target
 from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config, save_drafter
@@ -25,8 +26,8 @@ def test_the_plugin_imports_without_sglang():
 
 
 def checkpoints(folder) -> dict[str, str]:
-    """A tiny Qwen3 target and a DFlash drafter for it with random weights, written by weaver (the tests in
-    tests/serving_sglang/checkpoints.py read them)."""
+    """A tiny Qwen3 target and a DFlash drafter for it with random weights, written by weaver (handed to
+    tests/serving_sglang in the environment variables its checkpoints.py names)."""
     save_tiny_hf_model("qwen3", folder / "target")
     config = new_drafter_config(load_target(str(folder / "target")), 2, 8, 3, num_taps=2)
     drafter = Drafter(drafter_config(config))
@@ -34,7 +35,7 @@ def checkpoints(folder) -> dict[str, str]:
         for param in drafter.parameters():
             param.normal_()  # no zero- or one-initialised tensor that a skipped weight would equal by chance
     save_drafter(drafter, config, folder / "drafter")
-    return {"WEAVER_TEST_TARGET": str(folder / "target"), "WEAVER_TEST_DRAFTER": str(folder / "drafter")}
+    return {TARGET: str(folder / "target"), DRAFTER: str(folder / "drafter")}
 
 
 def test_sglang_plugin_tests_pass_against_the_real_sglang(tmp_path):

@@ -97,9 +97,8 @@ def test_tree_inputs_equal_sglangs_for_eagle_trees(mode, topk, steps):
     """SGLang builds EAGLE's trees itself; the same trees through our conversion give the same mask, positions,
     retrieve lists and tokens, element for element."""
     gen = torch.Generator().manual_seed(topk * 10 + steps)
-    candidates = topk + (steps - 1) * topk * topk
+    candidates, bs = topk + (steps - 1) * topk * topk, 3
     for n in sorted({2, (candidates + 3) // 2, candidates + 1}):
-        bs = 3
         parent_list, top_scores_index, drafts = eagle_tree(bs, topk, steps, n, 50, gen)
         seq_lens = torch.randint(1, 20, (bs,), generator=gen)
         bonus = torch.randint(0, 50, (bs,), generator=gen)
