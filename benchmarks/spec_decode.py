@@ -59,7 +59,7 @@ def main() -> None:
     runs = ({f"{m}:{b}": (m, b) for m in methods for b in METHODS[m].budgets(cfg, models)} if args.best
             else {label: parse_run(label) for label in args.runs})
     eos = tokenizer.eos_token_id
-    warm_up(models, cfg, eos or 0)
+    warm_up(models, cfg, eos or 0, list(runs.values()))
     prompts = [p for name in e.datasets
                for p in encode_prompts(load_prompt_set(cfg, name), tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts,
                                       template_kwargs(cfg))]

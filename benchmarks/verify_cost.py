@@ -5,7 +5,8 @@
 
 After a prefill of --context pseudo-random tokens, times `TargetModel.verify` on random trees of each size
 (nothing is committed, so every call sees the same cache) and one-token decode steps, eager and compiled
-(`eval.compile`), interleaved over --repeats rounds; medians. Arguments other than the options are eval.py
+(`eval.compile`; a compiled verify pads the tree to its size bucket, `verify_size`), interleaved over
+--repeats rounds; medians. Arguments other than the options are eval.py
 overrides (model, dtype, device).
 """
 
@@ -20,6 +21,7 @@ from hydra import compose, initialize_config_dir
 
 from weaver.eval.run import load_models
 from weaver.pipeline import ROOT_CONF
+from weaver.models.target import verify_size
 from weaver.tree import Tree
 
 
@@ -41,7 +43,7 @@ def main() -> None:
     device = target.embed.weight.device
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(target.cfg.vocab_size, (1, args.context), generator=generator).to(device)
-    cache = target.new_cache(1, args.context + max(args.sizes) + 1)
+    cache = target.new_cache(1, args.context + verify_size(max(args.sizes)) + 1)
     target(prompt, cache, logits_to_keep=1)
     length, position = cache.length, cache.next_position.clone()
     trees = {size: Tree(t.tokens.to(device), t.parents.to(device))
@@ -60,6 +62,9 @@ def main() -> None:
 
     runs = {"decode (eager)": lambda: target(prompt[:, :1], cache), "decode (compiled)": lambda: step(prompt[:, :1], cache),
             **{f"verify {size}": (lambda tree=tree: target.verify(tree, cache)) for size, tree in trees.items()}}
+    if cfg.eval.compile:
+        runs |= {f"verify {size} (compiled)": (lambda tree=tree: target.verify(tree, cache, compiled=True))
+                 for size, tree in trees.items()}
     times: dict[str, list[float]] = {label: [] for label in runs}
     for label, run in runs.items():  # warm-up: allocation and compilation
         timed(run)

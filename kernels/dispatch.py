@@ -82,11 +82,17 @@ def flatten_trees(
         check_trees(parents, offsets, length)
         if cu_seqlens is None and tree is not None:
             _CHECKED_TREES.add(tree)
-    lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
     if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, (batch + 1) * lengths[0], lengths[0], device=parents.device)
-        parents, lengths = parents.repeat(batch), lengths * batch
+        return shared_tree(batch, parents)
+    lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
     return parents.to(torch.int32).contiguous(), cu_seqlens.to(torch.int32).contiguous(), lengths
+
+
+def shared_tree(batch: int, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The batch-of-trees form of one tree (T,) shared by `batch` rows: parents repeated, offsets, lengths."""
+    T = parents.numel()
+    cu_seqlens = torch.arange(0, (batch + 1) * T, T, dtype=torch.int32, device=parents.device)
+    return parents.to(torch.int32).repeat(batch), cu_seqlens, [T] * batch
 
 
 def check_trees(parents: torch.Tensor, offsets: list[int], length: int) -> None:
@@ -113,6 +119,12 @@ def check_trees(parents: torch.Tensor, offsets: list[int], length: int) -> None:
         i = int(bad[0])
         raise TreeInputError(f"invalid tree input: node {int(local[i])} of the tree at offset {int(starts[i])} has "
                              f"parent {int(host[i])}; need -1 <= parent < node (topological order)")
+
+
+def check_precomputed(tree_tensor: torch.Tensor, length: int, what: str) -> None:
+    """A caller's precomputed tree tensor (ancestors, conv windows) must have one row per input node."""
+    if tree_tensor.shape[0] != length:
+        raise TreeInputError(f"invalid tree input: {what} has {tree_tensor.shape[0]} rows for inputs of {length} nodes")
 
 
 def check_leaves(leaf: int | list[int] | torch.Tensor, lengths: list[int]) -> torch.Tensor:

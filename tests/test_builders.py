@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_tiny import VOCAB
-from weaver.builders import chain_tree, ddtree, marginal_logprobs
+from weaver.builders import chain_tree, ddtree, marginal_logprobs, marginal_tree
 from weaver.engine import speculative_generate
 from weaver.errors import WeaverError
 from weaver.generate import generate
@@ -43,6 +43,58 @@ def test_chain_tree_takes_the_argmax_per_depth():
     tree = chain_tree(3, logits, budget=4).tree
     assert tree.tokens.tolist() == [3] + logits[:4].argmax(-1).tolist()
     assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_shot_chain_equals_the_width_one_search(seed):
+    """chain_tree's one-shot per-depth choice is the best-first search with one child per node: the same
+    greedy tree, and when sampling the same distribution behind every expanded node."""
+    gen = torch.Generator().manual_seed(seed)
+    depth, vocab = int(torch.randint(1, 16, (1,), generator=gen)), int(torch.randint(2, 50, (1,), generator=gen))
+    logits, budget = 3 * torch.randn(depth, vocab, generator=gen), int(torch.randint(1, 20, (1,), generator=gen))
+    temperature = [1.0, 0.7, 1.6][seed % 3]
+    for sampled in (False, True):
+        generator = torch.Generator().manual_seed(seed) if sampled else None
+        fast = chain_tree(4, logits, budget, generator, temperature)
+        search = marginal_tree(4, logits, budget, 1, generator, temperature)
+        assert len(fast.tree) == len(search.tree) == 1 + min(budget, depth)
+        assert fast.tree.parents.tolist() == search.tree.parents.tolist()
+        assert fast.child_probs.keys() == search.child_probs.keys()
+        if not sampled:  # the search keeps only the child it takes; the chain keeps the whole row
+            assert fast.tree.tokens.tolist() == search.tree.tokens.tolist()
+            continue
+        for node, probs in search.child_probs.items():
+            torch.testing.assert_close(fast.child_probs[node], probs)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_one_pass_ddtree_equals_the_search(seed):
+    """Greedy `ddtree` (a beam per depth, then one sort) is the best-first search's tree node for node; with
+    tied scores (rounded logits) it holds paths of the same scores."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(25):
+        depth, vocab = int(torch.randint(1, 8, (1,), generator=gen)), int(torch.randint(2, 30, (1,), generator=gen))
+        logits, budget = 3 * torch.randn(depth, vocab, generator=gen), int(torch.randint(1, 40, (1,), generator=gen))
+        tied = seed % 2 == 1
+        logits = logits.round() if tied else logits
+        fast, search = ddtree(5, logits, budget).tree, marginal_tree(5, logits, budget, min(budget, vocab), None, 1.0).tree
+        if not tied:
+            assert fast.tokens.tolist() == search.tokens.tolist() and fast.parents.tolist() == search.parents.tolist()
+            continue
+        log_p = logits.log_softmax(-1)
+        path_scores = [sorted(round(float(log_p[torch.arange(len(p) - 1), p[1:]].sum()), 4)
+                              for p in (t.tokens[t.path_to(i)] for i in range(len(t)))) for t in (fast, search)]
+        assert path_scores[0] == path_scores[1]
+
+
+def test_sampled_chain_draws_each_depth_from_its_marginal():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 3.0, 1.0, -2.0]])
+    gen, n = torch.Generator().manual_seed(0), 6000
+    drafts = torch.stack([chain_tree(0, logits, 2, gen, 0.8).tree.tokens[1:] for _ in range(n)])
+    for depth in range(2):
+        expected = torch.softmax(logits[depth] / 0.8, -1) * n
+        counts = torch.bincount(drafts[:, depth], minlength=5).float()
+        assert float(((counts - expected) ** 2 / expected).sum()) < 18.5  # chi-square, 4 dof, p = 1e-3
 
 
 @pytest.mark.parametrize("method,budget", [("chain", 3), ("ddtree", 4), ("ddtree", 16), ("oracle", 8)])

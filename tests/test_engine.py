@@ -128,3 +128,16 @@ def test_eos_as_first_token(target, prompts, greedy):
 def test_empty_prompt_is_refused(target):
     with pytest.raises(WeaverError, match="at least one token"):
         speculative_generate(target, random_drafter(target, 4), [], 8)
+
+
+@pytest.mark.parametrize("method,block_size", [("chain", 16), ("ddtree", 5)])
+def test_compiled_verify_greedy_equals_autoregressive(target, prompts, greedy, method, block_size):
+    """The engine with the compiled verify pass (trees padded to their size bucket) emits the target's own
+    greedy tokens, through long accepted runs and rejections."""
+    corrupted = 0
+    for i, (prompt, ref) in enumerate(zip(prompts, greedy)):
+        oracle = OracleDrafter(target, prompt + ref, block_size, seed=i)
+        out, stats = speculative_generate(target, oracle, prompt, NEW, temperature=0, method=method, compiled=True)
+        assert out == ref[:NEW], f"prompt length {len(prompt)}"
+        corrupted += oracle.corrupted
+    assert corrupted > 0 and stats.tau > 1.5

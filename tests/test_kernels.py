@@ -184,6 +184,48 @@ def test_gdn_tree_wrong_parent_is_caught(triton_on):
                   wrong=wrong_parent(torch.arange(-1, 19)))
 
 
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("B", [1, 2])
+def test_precomputed_tree_tensors_equal_the_checked_path(monkeypatch, layout, B):
+    """The torch path on a Tree's own ancestors and conv windows (what the compiled verify traces: no host
+    work) gives the checked path's outputs and commits, for GDN, the tree conv and tree attention."""
+    monkeypatch.setenv("WEAVER_KERNELS", "torch")
+    gen = torch.Generator().manual_seed(40 + B)
+    for _ in range(4):
+        T = int(torch.randint(1, 30, (1,), generator=gen))
+        parents = random_parents(T, gen)
+        tree, leaves = Tree(torch.zeros(T, dtype=torch.long), parents), torch.randint(0, T, (B,), generator=gen)
+        q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(B * T, 2, 4, 16, 8, B + 1, gen)
+        q, k, v, a, b = (x.view(B, T, *x.shape[2:]) for x in (q, k, v, a, b))
+        pool = pool if layout == "kv" else pool.transpose(-1, -2).contiguous()
+        pools = [pool.clone(), pool.clone()]
+        outs = [gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, pools[0], parents, state_layout=layout),
+                gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, pools[1], tree, state_layout=layout,
+                                ancestors=tree.ancestors)]
+        torch.testing.assert_close(outs[1][0], outs[0][0], **TOL)
+        for state, (_, pending) in zip(pools, outs):
+            gdn_tree_commit_(state, pending, leaves)
+        torch.testing.assert_close(pools[1], pools[0], **TOL)
+
+        x, weight = torch.randn(B, T, 12, generator=gen), torch.randn(12, 4, generator=gen)
+        conv_pool = torch.randn(B + 1, 12, 3, generator=gen)
+        conv_pools = [conv_pool.clone(), conv_pool.clone()]
+        convs = [tree_conv1d(x, weight, conv_pools[0], parents),
+                 tree_conv1d(x, weight, conv_pools[1], tree, conv_index=tree.conv_index(4))]
+        torch.testing.assert_close(convs[1][0], convs[0][0], **TOL)
+        for state, (_, pending) in zip(conv_pools, convs):
+            tree_conv_commit_(state, pending, leaves)
+        torch.testing.assert_close(conv_pools[1], conv_pools[0])
+
+        P = int(torch.randint(0, 20, (1,), generator=gen))
+        qa, ka, va = torch.randn(B, 4, T, 8, generator=gen), torch.randn(B, 2, P + T, 8, generator=gen), torch.randn(B, 2, P + T, 8, generator=gen)
+        valid = torch.rand(B, P, generator=gen) > 0.3
+        torch.testing.assert_close(tree_attention(qa, ka, va, tree, prefix_valid=valid, ancestors=tree.ancestors),
+                                   tree_attention(qa, ka, va, parents, prefix_valid=valid), **TOL)
+    with pytest.raises(TreeInputError, match="ancestors has"):
+        tree_attention(qa, ka, va, tree, ancestors=Tree(torch.zeros(T + 1, dtype=torch.long), random_parents(T + 1, gen)).ancestors)
+
+
 # ---------------------------------------------------------------- tree conv
 
 

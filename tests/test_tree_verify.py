@@ -13,6 +13,7 @@ from weaver.models.gdn import (
     recurrent_gated_delta_rule,
     tree_gated_delta_rule,
 )
+from weaver.models.target import verify_size
 from weaver.tree import Tree
 
 
@@ -91,3 +92,45 @@ def test_wrong_parent_pointer_is_caught():
     o_broken, _ = tree_gated_delta_rule(q, k, v, g, beta, S0, broken.ancestors)
     assert (o_chain[:, 3:] - o_broken[:, 3:]).abs().max() > 1e-3
     torch.testing.assert_close(o_chain[:, :3], o_broken[:, :3])
+
+
+@torch.no_grad()
+def test_compiled_verify_equals_eager_verify(target):
+    """The compiled verify pass (the tree padded to its size bucket, one graph per bucket) gives the eager
+    pass's outputs for every real node and commits the same state, over random trees and context lengths."""
+    gen = torch.Generator().manual_seed(5)
+    taps = (0, target.cfg.num_layers - 1)
+    for T, shape in [(6, "chain"), (7, "star"), (9, "random"), (14, "random"), (17, "random")]:  # buckets 9 and 17
+        context = torch.randint(3, VOCAB, (1, int(torch.randint(1, 20, (1,), generator=gen))), generator=gen)
+        tree, leaf = random_tree(T, gen, shape), int(torch.randint(0, T, (1,), generator=gen))
+        runs = []
+        for compiled in (False, True):
+            cache = target.new_cache(1, 64)
+            target(context, cache)
+            out, pending = target.verify(tree, cache, taps, compiled=compiled)
+            target.commit(cache, pending, leaf)
+            runs.append((out, cache))
+        (eager, eager_cache), (fast, fast_cache) = runs
+        assert fast.logits.shape == eager.logits.shape == (1, T, VOCAB)
+        for mine, theirs in zip([fast.logits, fast.hidden, *fast.taps], [eager.logits, eager.hidden, *eager.taps]):
+            torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+        assert fast_cache.length == eager_cache.length
+        torch.testing.assert_close(fast_cache.next_position, eager_cache.next_position)
+        length = eager_cache.length
+        torch.testing.assert_close(fast_cache.valid[:, :length], eager_cache.valid[:, :length])
+        for mine, theirs in zip(fast_cache.keys + fast_cache.values, eager_cache.keys + eager_cache.values):
+            if mine is not None:
+                torch.testing.assert_close(mine[:, :, :length], theirs[:, :, :length], atol=1e-5, rtol=1e-5)
+        for mine, theirs in zip(fast_cache.recurrent + fast_cache.conv, eager_cache.recurrent + eager_cache.conv):
+            if mine is not None:
+                torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_tree_keeps_the_real_nodes_and_hangs_padding_off_the_context():
+    tree = random_tree(6, torch.Generator().manual_seed(2))
+    padded = tree.padded(9)
+    assert torch.equal(padded.tokens[:6], tree.tokens) and torch.equal(padded.parents[:6], tree.parents)
+    assert padded.parents[6:].tolist() == [-1] * 3 and padded.depth[6:].tolist() == [0] * 3
+    assert torch.equal(padded.ancestors, Tree(padded.tokens, padded.parents).ancestors)
+    assert tree.padded(6) is tree
+    assert [verify_size(n) for n in (1, 2, 3, 4, 5, 6, 9, 10, 17, 18, 65)] == [2, 2, 3, 5, 5, 9, 9, 17, 17, 33, 65]

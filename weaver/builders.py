@@ -5,10 +5,12 @@ token) and whose other nodes, at most `budget` of them, are draft tokens in topo
 distribution each expanded node's children were taken from (what draft-aware acceptance needs).
 
 All builders are one best-first search (`weaver.search.best_first_tree`) and differ in the child
-distributions:
+distributions. Under the factorized marginals the search's tree has a direct form, built in a few tensor
+ops instead of one wave per node and tested equal to the search (the chain, greedy DDTree):
 
-- chain: the drafter's per-depth marginals, one child per node (DFlash).
-- ddtree: the same marginals, up to `width` children per node: path score = sum of log-marginals.
+- chain: the drafter's per-depth marginals, one child per node (DFlash): the per-depth argmax or draw.
+- ddtree: the same marginals, up to `width` children per node: path score = sum of log-marginals
+  (greedy: `best_paths`, a beam per depth).
 - weaver: the adapter's conditional distribution given the path (`weaver.models.adapter`).
 - oracle: the target's own conditionals (verifying the tree grown so far): not deployable, it is
   the τ ceiling for a budget.
@@ -24,6 +26,7 @@ import torch
 from weaver.errors import WeaverError
 from weaver.models.adapter import WeaverAdapter, draft_pools
 from weaver.search import ChildLogProbs, Grown, Proposal, best_first_tree
+from weaver.tree import Tree
 
 
 def marginal_logprobs(draft_logits: torch.Tensor, temperature: float = 1.0, keep: int | None = None) -> ChildLogProbs:
@@ -48,14 +51,59 @@ def marginal_tree(anchor: int, draft_logits: torch.Tensor, budget: int, width: i
 
 def chain_tree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
                temperature: float = 1.0) -> Proposal:
-    """DFlash's chain: the argmax (or one draw) per depth, `budget` drafts at most."""
-    return marginal_tree(anchor, draft_logits, budget, 1, generator, temperature)
+    """DFlash's chain: the argmax (or one Gumbel-max draw) per depth, `budget` drafts at most, in one shot:
+    with one child per node the best-first search (`marginal_tree` with width 1, tested equal) is exactly
+    the per-depth choice, and its waves of one node each would cost a step more than the chain's verify saves."""
+    n = min(budget, len(draft_logits))
+    log_marginals = (draft_logits[:n].float() / temperature).log_softmax(-1)
+    if generator is not None:
+        uniform = torch.rand(log_marginals.shape, generator=generator, device=generator.device).to(log_marginals.device)
+        drafts = (log_marginals - (-uniform.log()).log()).argmax(-1)
+    else:
+        drafts = log_marginals.argmax(-1)
+    nodes = torch.arange(n, device=draft_logits.device)  # node i (depth i) is expanded by row i
+    return Proposal(Tree.chain(torch.cat([drafts.new_full((1,), anchor), drafts])), [(nodes, log_marginals, None)],
+                    draft_logits.shape[-1])
 
 
 def ddtree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
            temperature: float = 1.0) -> Proposal:
-    """DDTree: up to `budget` children per node under the factorized marginals."""
+    """DDTree: up to `budget` children per node under the factorized marginals. Greedy trees in one pass per
+    depth (`best_paths`), sampled ones by the search (children drawn without replacement)."""
+    if generator is None:
+        return best_paths(anchor, draft_logits, budget, temperature)
     return marginal_tree(anchor, draft_logits, budget, min(budget, draft_logits.shape[-1]), generator, temperature)
+
+
+def best_paths(anchor: int, draft_logits: torch.Tensor, budget: int, temperature: float = 1.0) -> Proposal:
+    """The greedy DDTree, best first, as the best-first search takes it (`marginal_tree`, tested equal).
+
+    A path scores at most its prefix (log-probs are <= 0), so the `budget` best nodes are closed under
+    prefixes, each is among the `budget` best of its depth, and its token among its depth's top `budget`:
+    a beam of `budget` nodes per depth, then one stable sort of all of them (ties: shallower first, so a
+    parent precedes its children and the anchor comes first)."""
+    depth = min(len(draft_logits), budget)
+    log_marginals = (draft_logits[:depth].float() / temperature).log_softmax(-1)
+    top_logp, top_tokens = log_marginals.topk(min(budget, log_marginals.shape[-1]), dim=-1)  # (depth, k)
+    k, device = top_logp.shape[1], draft_logits.device
+    scores, parents = [torch.zeros(1, device=device)], [torch.full((1,), -1, device=device)]
+    tokens, depths = [torch.full((1,), anchor, device=device)], [torch.zeros(1, dtype=torch.long, device=device)]
+    beam, beam_ids = scores[0], torch.zeros(1, dtype=torch.long, device=device)  # depth d - 1's best nodes
+    for d in range(depth):
+        beam, index = (beam[:, None] + top_logp[d]).flatten().topk(min(budget, len(beam) * k))
+        scores.append(beam)
+        parents.append(beam_ids[index // k])
+        tokens.append(top_tokens[d, index % k])
+        depths.append(torch.full_like(index, d + 1))
+        beam_ids = beam_ids[-1] + 1 + torch.arange(len(index), device=device)
+    all_scores = torch.cat(scores)
+    order = all_scores.sort(descending=True, stable=True).indices[: budget + 1]
+    new_id = torch.full(all_scores.shape, -1, device=device)
+    new_id[order] = torch.arange(len(order), device=device)
+    old_parents, node_depths = torch.cat(parents)[order], torch.cat(depths)[order]
+    tree = Tree(torch.cat(tokens)[order], torch.where(old_parents >= 0, new_id[old_parents.clamp(min=0)], -1))
+    expanded = (node_depths < depth).nonzero().squeeze(-1)
+    return Proposal(tree, [(expanded, log_marginals[node_depths[expanded]], None)], draft_logits.shape[-1])
 
 
 def oracle_tree(anchor: int, budget: int, max_depth: int, target, cache, generator: torch.Generator | None = None,

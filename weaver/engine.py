@@ -21,7 +21,7 @@ from weaver.models.cache import ModelCache
 from weaver.models.adapter import WeaverAdapter, check_adapter_fits, expansion_batch
 from weaver.models.config import check_prompt, is_count
 from weaver.models.drafter import Draft, Drafter
-from weaver.models.target import TargetModel
+from weaver.models.target import TargetModel, verify_size
 from weaver.search import Proposal
 from weaver.verify import check_finite, greedy_tree, recursive_rejection_tree, target_only_tree
 
@@ -187,8 +187,9 @@ def speculative_generate(
     Greedy (temperature 0) follows the target's argmax through a k-best tree. Sampling: `rrs` draws each
     node's children without replacement from its draft distribution and verifies by recursive rejection
     sampling; `target_only` verifies the greedy tree by sampling from the target alone. Both are lossless.
-    compiled: run the Weaver search's adapter step compiled (`WeaverAdapter.scorer`; trees can differ from
-    eager ones only at float near-ties of the adapter's scores, acceptance is the target's own). width: the
+    compiled: run the target's verify pass (`TargetModel.verify`) and the Weaver search's adapter step
+    (`WeaverAdapter.scorer`) compiled; trees can differ from eager ones only at float near-ties of the
+    adapter's scores, and greedy acceptance only at near-ties of the target's logits (tested equal). width: the
     Weaver search's children per node (default 8, or the adapter's pool when smaller).
 
     Bad input (`check_request`) raises `WeaverError` before any model runs; so do NaN/inf logits of the
@@ -202,7 +203,7 @@ def speculative_generate(
     budget = max_budget
     device = target.embed.weight.device
     taps, block = drafter.cfg.target_layer_ids, drafter.cfg.block_size
-    max_len = len(prompt) + max_new_tokens + max(block, max_budget + 1)
+    max_len = len(prompt) + max_new_tokens + verify_size(max(block, max_budget + 1))  # + verify's scratch slots
     cache, context = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
     ids = torch.tensor([prompt], device=device)
     out = target(ids, cache, tap_layers=taps, logits_to_keep=1)
@@ -230,7 +231,7 @@ def speculative_generate(
                          f"at speculative step {step}", nan_only=True)
         clock.lap("search")
         anchor_position = cache.next_position.clone()
-        verified, pending = target.verify(tree, cache, taps)
+        verified, pending = target.verify(tree, cache, taps, compiled)
         logits = verified.logits[0]
         check_finite(logits, "the target's logits", f"at speculative step {step} (verify of {len(tree)} tree nodes)")
         clock.lap("verify")

@@ -27,7 +27,9 @@ class Tree:
 
     @classmethod
     def chain(cls, tokens: torch.Tensor) -> "Tree":
-        return cls(tokens, torch.arange(-1, len(tokens) - 1, device=tokens.device))
+        n, device = len(tokens), tokens.device
+        return cls.with_ancestors(tokens, torch.arange(-1, n - 1, device=device),
+                                  torch.ones(n, n, dtype=torch.bool, device=device).tril())
 
     @classmethod
     def with_ancestors(cls, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor) -> "Tree":
@@ -35,6 +37,18 @@ class Tree:
         tree = cls(tokens, parents)
         tree.__dict__["ancestors"] = ancestors  # fills the cached property
         return tree
+
+    def padded(self, size: int) -> "Tree":
+        """This tree plus `size - len(self)` nodes of token 0 hanging off the committed context, last: static
+        shapes for a compiled verify. They are nobody's ancestor, so no real node's output changes."""
+        extra = size - len(self)
+        if extra <= 0:
+            return self
+        tokens = torch.cat([self.tokens, self.tokens.new_zeros(extra)])
+        parents = torch.cat([self.parents, self.parents.new_full((extra,), -1)])
+        ancestors = torch.eye(size, dtype=torch.bool, device=self.tokens.device)
+        ancestors[: len(self), : len(self)] = self.ancestors
+        return Tree.with_ancestors(tokens, parents, ancestors)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import check_leaves, flatten_trees, trees_for_reference, use_triton
+from kernels.dispatch import check_leaves, check_precomputed, flatten_trees, trees_for_reference, use_triton
 from kernels.gdn_tree.reference import gdn_tree_commit_ref, gdn_tree_verify_ref
 from weaver.errors import WeaverError
-from weaver.models.gdn import PendingGDN
+from weaver.models.gdn import PendingGDN, gdn_gates, tree_gated_delta_rule
 from weaver.tree import Tree
 
 
@@ -39,7 +39,7 @@ def gdn_tree_verify(
     A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, parents: torch.Tensor | Tree, *,
     cu_seqlens: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
     mask: torch.Tensor | None = None, scale: float | None = None, state_layout: str = "kv",
-    dot_precision: str = "ieee",
+    dot_precision: str = "ieee", ancestors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, GDNTreePending]:
     """Outputs of every tree node, each continuing its own root-to-node path from the committed state.
 
@@ -52,6 +52,8 @@ def gdn_tree_verify(
     for the Triton path if already built (it is shared by all layers and heads).
     `scale`: applied to q after its L2 norm (default K^-0.5), by both backends.
     `dot_precision`: Triton's tl.dot input_precision ("ieee" exact fp32; "tf32x3"/"tf32" faster on GPU).
+    `ancestors`: the (T, T) ancestors-or-self matrix of the `Tree` given as `parents`: the torch path then
+    does no host work (a compiled verify pass traces it).
     Returns o (B, T, HV, V) fp32 and the pending commit data. Trees not in topological order, empty ones
     and mismatched lengths raise `kernels.dispatch.TreeInputError` before anything runs.
     """
@@ -59,11 +61,15 @@ def gdn_tree_verify(
     HV = v.shape[2]
     if HV % H or state_layout not in ("kv", "vk"):
         raise WeaverError(f"GDN tree verify: HV={HV} must be a multiple of H={H}, layout 'kv' or 'vk'")
+    scale = K**-0.5 if scale is None else scale
+    if ancestors is not None and isinstance(parents, Tree) and cu_seqlens is None and state_indices is None \
+            and not use_triton(v):
+        check_precomputed(ancestors, T, "ancestors")
+        return _verify_shared_tree(q, k, v, a, b, A_log, dt_bias, state, parents, ancestors, scale, state_layout)
     flat_parents, cu_seqlens, lengths = flatten_trees(B, T, parents, cu_seqlens)
     if state_indices is None:
         state_indices = torch.arange(cu_seqlens.numel() - 1, device=state.device)
     state_indices = state_indices.to(torch.int32)
-    scale = K**-0.5 if scale is None else scale
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, a, b)]
     pending = GDNTreePending(state_indices, state_layout, lengths)
     if use_triton(v):
@@ -83,6 +89,20 @@ def gdn_tree_verify(
             cu_seqlens, scale, state_layout,
         )
     return o.view(B, T, HV, -1), pending
+
+
+def _verify_shared_tree(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, state: torch.Tensor, tree: Tree, ancestors: torch.Tensor, scale: float, layout: str,
+) -> tuple[torch.Tensor, GDNTreePending]:
+    """The torch path for one checked tree shared by the B rows (row n reads slot n), all rows at once."""
+    B = q.shape[0]
+    S0 = state[:B] if layout == "kv" else state[:B].transpose(-1, -2)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    o, p = tree_gated_delta_rule(q, k, v, g, beta, S0, ancestors, scale)
+    slots = torch.arange(B, dtype=torch.int32, device=state.device)
+    rows = [PendingGDN(p.k[n : n + 1], p.U[n : n + 1], p.G[n : n + 1], ancestors) for n in range(B)]
+    return o, GDNTreePending(slots, layout, [len(tree)] * B, reference=rows)
 
 
 def gdn_tree_commit_(state: torch.Tensor, pending: GDNTreePending, leaf: int | list[int] | torch.Tensor) -> None:

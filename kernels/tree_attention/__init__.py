@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import flatten_trees, trees_for_reference, use_triton
+from kernels.dispatch import check_precomputed, flatten_trees, trees_for_reference, use_triton
 from kernels.tree_attention.reference import tree_attention_ref
 from weaver.tree import Tree
 
@@ -14,14 +14,19 @@ from weaver.tree import Tree
 def tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parents: torch.Tensor | Tree, *,
     prefix_valid: torch.Tensor | None = None, mask: torch.Tensor | None = None, scale: float | None = None,
-    dot_precision: str = "ieee",
+    dot_precision: str = "ieee", ancestors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, T, D); k, v (B, Hkv, P+T, D): P prefix slots then the T nodes in `parents` order
     (node-local, -1 = child of the prefix; one tree shared by the batch), or that `Tree`. prefix_valid (B, >=P) bool marks
     usable prefix slots (None: all). `mask`: the tree's ancestor bitmask if already built.
+    `ancestors`: the tree's (T, T) ancestors-or-self matrix of a `Tree` the caller holds (checked when it was
+    built): the torch path then runs on it with no host work, so a compiled verify pass traces it.
     Returns (B, Hq, T, D) in q's dtype."""
-    flat_parents, cu_seqlens, lengths = flatten_trees(1, q.shape[2], parents, None)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if ancestors is not None and not use_triton(q):
+        check_precomputed(ancestors, q.shape[2], "ancestors")
+        return tree_attention_ref(q, k, v, ancestors, prefix_valid, scale)
+    flat_parents, cu_seqlens, lengths = flatten_trees(1, q.shape[2], parents, None)
     if use_triton(q):
         from kernels.tree_attention.kernel import tree_attention_triton
         from kernels.tree_mask.kernel import tree_ancestor_mask_triton

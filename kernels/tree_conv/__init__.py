@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import check_leaves, flatten_trees, trees_for_reference, use_triton
+from kernels.dispatch import check_leaves, check_precomputed, flatten_trees, shared_tree, trees_for_reference, use_triton
 from kernels.tree_conv.reference import tree_conv1d_ref, tree_conv_commit_ref
+from weaver.models.gdn import tree_causal_conv1d
 from weaver.tree import Tree
 
 
@@ -26,11 +27,21 @@ class TreeConvPending:
 def tree_conv1d(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor | Tree, *,
     cu_seqlens: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+    conv_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TreeConvPending]:
     """SiLU(depthwise causal conv) of every node along its own ancestors. x (B, T, C), weight (C, W),
     state a pool (slots, C, W-1) of committed last inputs, tree n reading slot state_indices[n] (default
-    n); parents / cu_seqlens as in `kernels.gdn_tree.gdn_tree_verify`. Returns out (B, T, C) in x's dtype."""
+    n); parents / cu_seqlens as in `kernels.gdn_tree.gdn_tree_verify`. `conv_index`: a `Tree`'s
+    `conv_index(W)`, given with that Tree as `parents`: the torch path then does no host work (a compiled
+    verify pass traces it). Returns out (B, T, C) in x's dtype."""
     B, T, C = x.shape
+    if conv_index is not None and isinstance(parents, Tree) and cu_seqlens is None and state_indices is None \
+            and not use_triton(x):
+        check_precomputed(conv_index, T, "conv_index")
+        out, _ = tree_causal_conv1d(x, weight, state[:B], conv_index)
+        flat_parents, cu_seqlens, lengths = shared_tree(B, parents.parents)
+        slots = torch.arange(B, dtype=torch.int32, device=state.device)
+        return out, TreeConvPending(x.reshape(B * T, C), flat_parents, cu_seqlens, slots, lengths, [parents] * B)
     flat_parents, cu_seqlens, lengths = flatten_trees(B, T, parents, cu_seqlens)
     if state_indices is None:
         state_indices = torch.arange(cu_seqlens.numel() - 1, device=state.device)

@@ -152,6 +152,11 @@ def _decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, gene
                                                        e.temperature, eos, generator, method, budget, **options)
 
 
+def auto_candidates(cfg: DictConfig, models: Models, method: str) -> list[int]:
+    """The budgets `auto` chooses among for `method` (a chain's stop at its block)."""
+    return [b for b in cfg.eval.auto_budget.candidates if method != "chain" or b < models["drafter"].cfg.block_size]
+
+
 def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]:
     """Seconds per speculative step at each candidate budget of eval.auto_budget for `method`, measured once
     per process on a fixed pseudo-random prompt of eval.prompt_tokens tokens (a chain's candidates stop at
@@ -159,7 +164,7 @@ def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]
     costs = models.setdefault("step_costs", {})
     if method not in costs:
         auto = cfg.eval.auto_budget
-        candidates = [b for b in auto.candidates if method != "chain" or b < models["drafter"].cfg.block_size]
+        candidates = auto_candidates(cfg, models, method)
         vocab = models["target"].cfg.vocab_size
         prompt = torch.randint(vocab, (cfg.eval.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
         decode = _decoder(models, cfg, method, None, torch.Generator().manual_seed(0), max_new_tokens=auto.probe_tokens)
@@ -200,10 +205,18 @@ def load_transformers_target(cfg: DictConfig, like: torch.nn.Module):
     return model
 
 
-def warm_up(models: Models, cfg: DictConfig, token: int) -> None:
-    """A short decode of each kind outside the timed loops: first calls pay for allocation and compilation."""
+def warm_up(models: Models, cfg: DictConfig, token: int, runs: list[tuple[str, int | str]] | None = None) -> None:
+    """A short decode of each kind outside the timed loops: first calls pay for allocation and compilation;
+    with eval.compile, the verify graphs of every tree size the (method, budget) runs will verify (default:
+    the config's)."""
     if "ar" in cfg.eval.methods:
         generate(models["target"], [[token] * 4], 4, compiled=cfg.eval.compile)
+    if cfg.eval.compile and "drafter" in models:
+        if runs is None:
+            runs = [(m, b) for m in cfg.eval.methods if m != "ar" for b in METHODS[m].budgets(cfg, models)]
+        sizes = {b + 1 for method, budget in runs
+                 for b in (auto_candidates(cfg, models, method) if budget == "auto" else [budget])}
+        models["target"].compile_verify(sizes, models["drafter"].cfg.target_layer_ids)
     if "drafter" in models:
         speculative_generate(models["target"], models["drafter"], [token] * 4, 4)
     if "adapter" in models:

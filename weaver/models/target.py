@@ -23,6 +23,7 @@ from torch import nn
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
 from weaver.models.config import TargetConfig
+from kernels.dispatch import use_triton
 from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
 from kernels.tree_attention import tree_attention
 from kernels.tree_conv import tree_conv1d, tree_conv_commit_
@@ -42,6 +43,8 @@ class Step:
     is_causal: bool
     token_mask: torch.Tensor | None  # (B, T) 1 for real tokens, 0 for left padding; None when no padding
     tree: Tree | None = None  # verification: the new tokens form this tree and nothing is committed
+    ancestors: torch.Tensor | None = None  # the tree's (T, T) ancestors-or-self and (T, kernel) conv windows,
+    conv_index: torch.Tensor | None = None  # built once per verify and shared by every layer
     pending: dict[int, Any] = field(default_factory=dict)  # per GDN layer, what `commit` needs
 
 
@@ -71,6 +74,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight + self.offset if self.offset else self.weight, self.eps)
+
+
+def verify_size(nodes: int) -> int:
+    """The tree size a compiled verify pads `nodes` to: 2, 3, 5, 9, 17, 33, ... (2^k + 1, a budget that is a
+    power of two plus its root), so a handful of graphs serve every tree."""
+    return 1 + (1 << max(nodes - 2, 0).bit_length())
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,7 +142,8 @@ class Attention(nn.Module):
             cache.values[self.layer][:, :, step.start : end] = v
             k, v = cache.keys[self.layer][:, :, :end], cache.values[self.layer][:, :, :end]
         if step.tree is not None:  # verify: committed context (valid slots) + ancestors-or-self
-            o = tree_attention(q, k, v, step.tree, prefix_valid=cache.valid[:, : step.start], scale=D**-0.5)
+            o = tree_attention(q, k, v, step.tree, prefix_valid=cache.valid[:, : step.start], scale=D**-0.5,
+                               ancestors=step.ancestors)
         else:
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=step.attn_mask, is_causal=step.is_causal, scale=D**-0.5, enable_gqa=Hkv != H
@@ -186,7 +196,8 @@ class GatedDeltaNet(nn.Module):
             mixed = mixed * step.token_mask[..., None].to(mixed.dtype)
         tree = step.tree if cache is not None else None
         if tree is not None:  # verify: read the committed conv state and GDN state, write nothing
-            mixed, conv_pending = tree_conv1d(mixed, self.conv_weight, cache.conv[self.layer], tree)
+            mixed, conv_pending = tree_conv1d(mixed, self.conv_weight, cache.conv[self.layer], tree,
+                                              conv_index=step.conv_index)
         else:
             mixed, conv_buffer = self.conv(mixed, cache.conv[self.layer] if cache is not None else None)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -197,7 +208,7 @@ class GatedDeltaNet(nn.Module):
             g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         if tree is not None:
             o, gdn_pending = gdn_tree_verify(
-                q, k, v, a, b, self.A_log, self.dt_bias, cache.recurrent[self.layer], tree
+                q, k, v, a, b, self.A_log, self.dt_bias, cache.recurrent[self.layer], tree, ancestors=step.ancestors
             )
             step.pending[self.layer] = (gdn_pending, conv_pending)
         elif cache is None:
@@ -256,6 +267,7 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", cfg.inv_freq.clone(), persistent=False)
         self._compiled_forward: Callable[..., TargetOutput] | None = None
+        self._compiled_tree_layers: Callable[..., TargetOutput] | None = None
 
     def decode_fn(self, compiled: bool = False) -> Callable[..., TargetOutput]:
         """The forward for single-token steps: eager, or compiled once per model with torch.compile.
@@ -293,20 +305,59 @@ class TargetModel(nn.Module):
             cache.length += input_ids.shape[1]
         return output
 
-    def verify(self, tree: Tree, cache: ModelCache, tap_layers: tuple[int, ...] = ()) -> tuple[TargetOutput, Pending]:
+    def verify(
+        self, tree: Tree, cache: ModelCache, tap_layers: tuple[int, ...] = (), compiled: bool = False
+    ) -> tuple[TargetOutput, Pending]:
         """Logits of every node of a draft tree (batch 1), each seeing the committed context plus its
         ancestors. Nothing is committed: attention KV goes to scratch slots past `cache.length` and
-        GDN layers only read their state; `commit` then keeps the accepted path."""
+        GDN layers only read their state; `commit` then keeps the accepted path.
+
+        compiled: run the layers through torch.compile (torch kernels only; with Triton the kernels are
+        the fast path), the tree padded to `verify_size(len(tree))` nodes so that a few graphs serve every
+        tree; the scratch slots the padding takes need room in the cache (`verify_size`)."""
         if cache.batch_size != 1:
             raise WeaverError("tree verification runs at batch 1")
         T, start = len(tree), cache.length
-        cache.reserve(T)
+        run = self.run_layers
+        if compiled and not use_triton(self.embed.weight):
+            tree, run = tree.padded(verify_size(T)), self.tree_layers_compiled()
+        cache.reserve(len(tree))
         positions = cache.next_position[:, None] + tree.depth[None]
         cos, sin = self.rope(positions)
         # attention layers mask by the tree themselves (`kernels.tree_attention`): valid context + ancestors
-        step = Step(positions, cos, sin, start, None, False, None, tree=tree)
-        output = self.run_layers(tree.tokens[None], step, cache, tap_layers, None)
+        conv_index = tree.conv_index(self.cfg.linear_conv_kernel) if self.cfg.is_hybrid else None
+        step = Step(positions, cos, sin, start, None, False, None, tree, tree.ancestors, conv_index)
+        output = run(tree.tokens[None], step, cache, tap_layers, None)
+        if len(tree) > T:  # drop the padding's outputs
+            output = TargetOutput(output.logits[:, :T], output.hidden[:, :T], [t[:, :T] for t in output.taps])
         return output, Pending(tree, start, step.pending)
+
+    @torch.inference_mode()
+    def compile_verify(self, tree_sizes: set[int], tap_layers: tuple[int, ...] = ()) -> None:
+        """Build the compiled verify graphs for trees of these node counts now, outside any timed loop."""
+        buckets = sorted({verify_size(n) for n in tree_sizes})
+        cache = self.new_cache(1, 1 + max(buckets, default=0))
+        self(torch.zeros(1, 1, dtype=torch.long, device=self.embed.weight.device), cache)
+        for size in buckets:
+            self.verify(Tree.chain(cache.next_position.new_zeros(size)), cache, tap_layers, compiled=True)
+
+    def tree_layers_compiled(self) -> Callable[..., TargetOutput]:
+        """`run_layers` for verify steps, compiled once per model: a graph per tree size (static: the
+        tree's tensors are marked so), the cache length dynamic. A 5M model's verify is dispatch-bound
+        (thousands of small ops per pass); inductor fuses them."""
+        if self._compiled_tree_layers is None:
+            # one graph per tree size: the default limit of 8 would silently fall back to eager
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            compiled = torch.compile(self.run_layers, dynamic=True, fullgraph=True)
+
+            def run(input_ids: torch.Tensor, step: Step, *args: Any) -> TargetOutput:
+                for t in (input_ids, step.positions, step.cos, step.sin, step.ancestors, step.conv_index):
+                    if t is not None:
+                        torch._dynamo.mark_static(t)
+                return compiled(input_ids, step, *args)
+
+            self._compiled_tree_layers = run
+        return self._compiled_tree_layers
 
     def commit(self, cache: ModelCache, pending: Pending, leaf: int) -> None:
         """Commit the root-to-`leaf` path of a verified tree: compact its KV, update GDN states."""
@@ -328,12 +379,11 @@ class TargetModel(nn.Module):
         logits_to_keep: int | None,
     ) -> TargetOutput:
         x = self.embed(input_ids)
-        tapped = {}
-        for i, layer in enumerate(self.layers):
+        outputs = []
+        for layer in self.layers:
             x = layer(x, step, cache)
-            if i in tap_layers:
-                tapped[i] = x
-        taps = [tapped[i] for i in tap_layers]  # in the order asked for: the drafter's fc expects it
+            outputs.append(x)
+        taps = [outputs[i] for i in tap_layers]  # in the order asked for: the drafter's fc expects it
         hidden = self.norm(x)
         logits = None
         if logits_to_keep != 0:
