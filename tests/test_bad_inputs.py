@@ -174,8 +174,8 @@ def target_inf_at_verify(m):
     """A target whose verify pass (not its prefill) returns an inf logit: the error names the step."""
     target = copy.copy(m.target)  # shares the weights; its own `verify`
 
-    def verify(tree, cache, taps=(), compiled=False):
-        out, pending = type(m.target).verify(m.target, tree, cache, taps, compiled)
+    def verify(tree, cache, taps=(), compiled=False, budget=0):
+        out, pending = type(m.target).verify(m.target, tree, cache, taps, compiled, budget)
         out.logits = out.logits.clone()
         out.logits[0, -1, 3] = math.inf
         return out, pending

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_tiny import VOCAB
+from kernels.dispatch import TreeInputError
 from weaver.models.gdn import (
     commit_path,
     gdn_gates,
@@ -108,6 +109,8 @@ def test_compiled_verify_equals_eager_verify(target):
             cache = target.new_cache(1, 64)
             target(context, cache)
             out, pending = target.verify(tree, cache, taps, compiled=compiled)
+            with pytest.raises(TreeInputError, match="leaf"):  # a padding node is no leaf to commit
+                target.commit(cache, pending, T)
             target.commit(cache, pending, leaf)
             runs.append((out, cache))
         (eager, eager_cache), (fast, fast_cache) = runs

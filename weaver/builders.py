@@ -53,7 +53,7 @@ def chain_tree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: 
                temperature: float = 1.0) -> Proposal:
     """DFlash's chain: the argmax (or one Gumbel-max draw) per depth, `budget` drafts at most, in one shot:
     with one child per node the best-first search (`marginal_tree` with width 1, tested equal) is exactly
-    the per-depth choice, and its waves of one node each would cost a step more than the chain's verify saves."""
+    the per-depth choice, and its one wave per node cost 10-12% of a tiny-target step."""
     n = min(budget, len(draft_logits))
     log_marginals = (draft_logits[:n].float() / temperature).log_softmax(-1)
     if generator is not None:
@@ -76,12 +76,14 @@ def ddtree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torc
 
 
 def best_paths(anchor: int, draft_logits: torch.Tensor, budget: int, temperature: float = 1.0) -> Proposal:
-    """The greedy DDTree, best first, as the best-first search takes it (`marginal_tree`, tested equal).
+    """The greedy DDTree, best first: the best-first search's tree (`marginal_tree`), node for node when no
+    two paths tie (tested; with ties, paths of the same scores).
 
     A path scores at most its prefix (log-probs are <= 0), so the `budget` best nodes are closed under
     prefixes, each is among the `budget` best of its depth, and its token among its depth's top `budget`:
     a beam of `budget` nodes per depth, then one stable sort of all of them (ties: shallower first, so a
-    parent precedes its children and the anchor comes first)."""
+    parent precedes its children and the anchor comes first). Every node above the last depth is listed
+    as expanded with its depth's full marginal (only sampling reads these, and it uses the search)."""
     depth = min(len(draft_logits), budget)
     log_marginals = (draft_logits[:depth].float() / temperature).log_softmax(-1)
     top_logp, top_tokens = log_marginals.topk(min(budget, log_marginals.shape[-1]), dim=-1)  # (depth, k)

@@ -231,7 +231,7 @@ def speculative_generate(
                          f"at speculative step {step}", nan_only=True)
         clock.lap("search")
         anchor_position = cache.next_position.clone()
-        verified, pending = target.verify(tree, cache, taps, compiled)
+        verified, pending = target.verify(tree, cache, taps, compiled, step_budget)
         logits = verified.logits[0]
         check_finite(logits, "the target's logits", f"at speculative step {step} (verify of {len(tree)} tree nodes)")
         clock.lap("verify")

@@ -23,7 +23,7 @@ from torch import nn
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
 from weaver.models.config import TargetConfig
-from kernels.dispatch import use_triton
+from kernels.dispatch import TreeInputError, use_triton
 from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
 from kernels.tree_attention import tree_attention
 from kernels.tree_conv import tree_conv1d, tree_conv_commit_
@@ -306,38 +306,45 @@ class TargetModel(nn.Module):
         return output
 
     def verify(
-        self, tree: Tree, cache: ModelCache, tap_layers: tuple[int, ...] = (), compiled: bool = False
+        self, tree: Tree, cache: ModelCache, tap_layers: tuple[int, ...] = (), compiled: bool = False,
+        budget: int = 0,
     ) -> tuple[TargetOutput, Pending]:
         """Logits of every node of a draft tree (batch 1), each seeing the committed context plus its
         ancestors. Nothing is committed: attention KV goes to scratch slots past `cache.length` and
         GDN layers only read their state; `commit` then keeps the accepted path.
 
         compiled: run the layers through torch.compile (torch kernels only; with Triton the kernels are
-        the fast path), the tree padded to `verify_size(len(tree))` nodes so that a few graphs serve every
-        tree; the scratch slots the padding takes need room in the cache (`verify_size`)."""
+        the fast path), the tree padded to `verify_size(max(len(tree), budget + 1))` nodes, so that a few
+        graphs serve every tree, a search that stopped short of its `budget` included; the padding's
+        scratch slots need room in the cache."""
         if cache.batch_size != 1:
             raise WeaverError("tree verification runs at batch 1")
         T, start = len(tree), cache.length
-        run = self.run_layers
-        if compiled and not use_triton(self.embed.weight):
-            tree, run = tree.padded(verify_size(T)), self.tree_layers_compiled()
-        cache.reserve(len(tree))
-        positions = cache.next_position[:, None] + tree.depth[None]
+        run, padded = self.run_layers, tree
+        torch_ops = not use_triton(self.embed.weight)
+        if compiled and torch_ops:
+            padded, run = tree.padded(verify_size(max(T, budget + 1))), self.tree_layers_compiled()
+        cache.reserve(len(padded))
+        positions = cache.next_position[:, None] + padded.depth[None]
         cos, sin = self.rope(positions)
-        # attention layers mask by the tree themselves (`kernels.tree_attention`): valid context + ancestors
-        conv_index = tree.conv_index(self.cfg.linear_conv_kernel) if self.cfg.is_hybrid else None
-        step = Step(positions, cos, sin, start, None, False, None, tree, tree.ancestors, conv_index)
-        output = run(tree.tokens[None], step, cache, tap_layers, None)
-        if len(tree) > T:  # drop the padding's outputs
+        # attention layers mask by the tree themselves (`kernels.tree_attention`): valid context + ancestors;
+        # the torch ops read the ancestors and conv windows built here, once for every layer
+        conv_index = padded.conv_index(self.cfg.linear_conv_kernel) if self.cfg.is_hybrid and torch_ops else None
+        step = Step(positions, cos, sin, start, None, False, None, padded, padded.ancestors if torch_ops else None,
+                    conv_index)
+        output = run(padded.tokens[None], step, cache, tap_layers, None)
+        if len(padded) > T:  # drop the padding's outputs
             output = TargetOutput(output.logits[:, :T], output.hidden[:, :T], [t[:, :T] for t in output.taps])
         return output, Pending(tree, start, step.pending)
 
     @torch.inference_mode()
     def compile_verify(self, tree_sizes: set[int], tap_layers: tuple[int, ...] = ()) -> None:
-        """Build the compiled verify graphs for trees of these node counts now, outside any timed loop."""
+        """Build the compiled verify graphs for trees of these node counts now, outside any timed loop.
+        After a 2-token context (dynamo specialises a cache start of 0 or 1; real steps start later) and with
+        a spare slot (a tree that ends exactly at the cache's end would be specialised to that too)."""
         buckets = sorted({verify_size(n) for n in tree_sizes})
-        cache = self.new_cache(1, 1 + max(buckets, default=0))
-        self(torch.zeros(1, 1, dtype=torch.long, device=self.embed.weight.device), cache)
+        cache = self.new_cache(1, 3 + max(buckets, default=0))
+        self(torch.zeros(1, 2, dtype=torch.long, device=self.embed.weight.device), cache)
         for size in buckets:
             self.verify(Tree.chain(cache.next_position.new_zeros(size)), cache, tap_layers, compiled=True)
 
@@ -361,6 +368,8 @@ class TargetModel(nn.Module):
 
     def commit(self, cache: ModelCache, pending: Pending, leaf: int) -> None:
         """Commit the root-to-`leaf` path of a verified tree: compact its KV, update GDN states."""
+        if not 0 <= leaf < len(pending.tree):
+            raise TreeInputError(f"invalid tree input: leaf {leaf} of a verified tree of {len(pending.tree)} nodes")
         path = pending.tree.path_to(leaf)
         start, n = pending.start, len(path)
         for layer in self.layers:
@@ -379,11 +388,12 @@ class TargetModel(nn.Module):
         logits_to_keep: int | None,
     ) -> TargetOutput:
         x = self.embed(input_ids)
-        outputs = []
-        for layer in self.layers:
+        taps: list = [None] * len(tap_layers)  # in the order asked for: the drafter's fc expects it
+        for i, layer in enumerate(self.layers):
             x = layer(x, step, cache)
-            outputs.append(x)
-        taps = [outputs[i] for i in tap_layers]  # in the order asked for: the drafter's fc expects it
+            for j, wanted in enumerate(tap_layers):  # not `i in tap_layers`: dynamo mistraces it
+                if wanted == i:
+                    taps[j] = x
         hidden = self.norm(x)
         logits = None
         if logits_to_keep != 0:
