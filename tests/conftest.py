@@ -3,6 +3,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The kernel tests run Triton's CPU interpreter. If Triton is first imported without the flag (importing
+# torch._dynamo during collection does it), its kernels later fail in the interpreter ("Cannot call @triton.jit'd
+# outside of the scope of a kernel"): so set it for the session, first thing (a GPU run sets it to 0).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # fla's Triton kernels fail on a CPU box; transformers picks them up at import time when fla is installed.
 # Hide fla from transformers so its reference path (pure torch) is what we compare against.
 sys.modules.setdefault("fla", None)
