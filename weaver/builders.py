@@ -20,13 +20,20 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from weaver.errors import WeaverError
-from weaver.models.adapter import WeaverAdapter, draft_pools
+from weaver.models.adapter import WeaverAdapter, draft_pools, expansion_batch
+from weaver.models.drafter import Draft
 from weaver.search import ChildLogProbs, Grown, Proposal, best_first_tree
 from weaver.tree import Tree
+
+if TYPE_CHECKING:
+    from weaver.models.cache import ModelCache
+    from weaver.models.target import TargetModel
 
 
 def marginal_logprobs(draft_logits: torch.Tensor, temperature: float = 1.0, keep: int | None = None) -> ChildLogProbs:
@@ -185,3 +192,42 @@ def check_budget(budget: int, limit: int | None = None, method: str = "tree", wh
         raise WeaverError(f"tree budget must be at least 1 draft node, got {budget}")
     if limit is not None and budget > limit:
         raise WeaverError(f"budget {budget} is more than a {method} tree can hold: at most {limit} draft nodes ({why})")
+
+
+TREE_METHODS = ("chain", "ddtree", "weaver", "oracle")
+
+
+@dataclass
+class StepInputs:
+    """What one step's tree builders may read."""
+
+    anchor: int
+    draft: Draft  # the drafter's block (batch row 0 is used)
+    target_hidden: torch.Tensor  # (H,) target's final-norm state of the token before the anchor
+    cache: ModelCache | None = None  # the target's committed cache (only the oracle reads it: it verifies paths)
+
+
+def propose(
+    method: str, step: StepInputs, budget: int, target: TargetModel, adapter: WeaverAdapter | None = None,
+    width: int = 8, nodes_per_call: int | None = None, generator: torch.Generator | None = None,
+    temperature: float = 1.0, compiled: bool = False, anytime: bool = False,
+) -> Proposal:
+    """The draft tree of one step (the builders above); drawn without replacement when a generator is
+    given, else greedy. width: the Weaver search's children per node; nodes_per_call: nodes the Weaver
+    and oracle searches expand per adapter / target call (default ceil(budget / 16), or with `anytime`
+    ceil(tree size so far / 16), so that any budget's tree is a prefix of a larger one's: `budget: auto`);
+    compiled: the Weaver search's adapter step through torch.compile."""
+    logits = step.draft.logits[0]
+    if method == "chain":
+        return chain_tree(step.anchor, logits, budget, generator, temperature)
+    if method == "ddtree":
+        return ddtree(step.anchor, logits, budget, generator, temperature)
+    per_call = nodes_per_call or (expansion_batch if anytime else expansion_batch(budget))
+    if method == "weaver":
+        if adapter is None:
+            raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
+        return weaver_tree(step.anchor, budget, adapter, target, logits, step.draft.hidden[0], step.target_hidden,
+                           width, per_call, generator, temperature, compiled)
+    if method == "oracle":
+        return oracle_tree(step.anchor, budget, len(logits), target, step.cache, generator, temperature, per_call)
+    raise WeaverError(f"unknown tree method '{method}'; available: {', '.join(TREE_METHODS)}")

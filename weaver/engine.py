@@ -15,14 +15,12 @@ import torch
 
 from weaver.budget import BudgetPlanner
 from weaver.errors import WeaverError
-from weaver.builders import budget_limit, chain_tree, check_budget, ddtree, oracle_tree, weaver_tree
+from weaver.builders import TREE_METHODS, StepInputs, budget_limit, check_budget, propose
 from weaver.generate import sample_next, until_eos
-from weaver.models.cache import ModelCache
-from weaver.models.adapter import WeaverAdapter, check_adapter_fits, expansion_batch
+from weaver.models.adapter import WeaverAdapter, check_adapter_fits
 from weaver.models.config import check_prompt, is_count
-from weaver.models.drafter import Draft, Drafter
+from weaver.models.drafter import Drafter, check_pair
 from weaver.models.target import TargetModel, verify_size
-from weaver.search import Proposal
 from weaver.verify import check_finite, greedy_tree, recursive_rejection_tree, target_only_tree
 
 # Where a step's time goes: the drafter's block, the tree search (the adapter's calls for Weaver), the
@@ -63,26 +61,6 @@ class PhaseClock:
         self.last = now
 
 
-def check_pair(target: TargetModel, drafter: Drafter) -> None:
-    """Refuse a drafter that does not fit the target, with one clear message."""
-    t, d = target.cfg, drafter.cfg
-    if d.body.hidden_size != t.hidden_size:
-        raise WeaverError(f"drafter hidden size {d.body.hidden_size} does not match the target's {t.hidden_size}")
-    if d.body.vocab_size not in (0, t.vocab_size):
-        raise WeaverError(f"drafter vocab {d.body.vocab_size} does not match the target's {t.vocab_size}")
-    if not 0 <= d.mask_token_id < t.vocab_size:
-        raise WeaverError(f"drafter mask_token_id {d.mask_token_id} is outside the target vocab ({t.vocab_size})")
-    if len(set(d.target_layer_ids)) != len(d.target_layer_ids):
-        raise WeaverError(f"drafter taps a target layer twice: {list(d.target_layer_ids)}")
-    bad = [i for i in d.target_layer_ids if not 0 <= i < t.num_layers]
-    if bad:
-        raise WeaverError(f"drafter taps target layers {bad}, but the target has {t.num_layers} layers")
-    if d.num_target_layers not in (None, t.num_layers):
-        raise WeaverError(f"drafter was made for a target of {d.num_target_layers} layers (num_target_layers), "
-                          f"this target has {t.num_layers}")
-
-
-TREE_METHODS = ("chain", "ddtree", "weaver", "oracle")
 SAMPLING_RULES = ("rrs", "target_only")
 DEFAULT_WIDTH = 8  # the Weaver search's children per node when none is given (at most the adapter's pool)
 
@@ -125,42 +103,6 @@ def check_request(
     budget = depth if budget is None else budget
     check_budget(budget, limit, method, why)
     return budget
-
-
-@dataclass
-class StepInputs:
-    """What one step's tree builders may read."""
-
-    anchor: int
-    draft: Draft  # the drafter's block (batch row 0 is used)
-    target_hidden: torch.Tensor  # (H,) target's final-norm state of the token before the anchor
-    cache: ModelCache  # the target's committed cache (the oracle verifies paths against it)
-
-
-def propose(
-    method: str, step: StepInputs, budget: int, target: TargetModel, adapter: WeaverAdapter | None = None,
-    width: int = 8, nodes_per_call: int | None = None, generator: torch.Generator | None = None,
-    temperature: float = 1.0, compiled: bool = False, anytime: bool = False,
-) -> Proposal:
-    """The draft tree of one step (see `weaver.builders`); drawn without replacement when a generator is
-    given, else greedy. width: the Weaver search's children per node; nodes_per_call: nodes the Weaver
-    and oracle searches expand per adapter / target call (default ceil(budget / 16), or with `anytime`
-    ceil(tree size so far / 16), so that any budget's tree is a prefix of a larger one's: `budget: auto`);
-    compiled: the Weaver search's adapter step through torch.compile."""
-    logits = step.draft.logits[0]
-    if method == "chain":
-        return chain_tree(step.anchor, logits, budget, generator, temperature)
-    if method == "ddtree":
-        return ddtree(step.anchor, logits, budget, generator, temperature)
-    per_call = nodes_per_call or (expansion_batch if anytime else expansion_batch(budget))
-    if method == "weaver":
-        if adapter is None:
-            raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
-        return weaver_tree(step.anchor, budget, adapter, target, logits, step.draft.hidden[0], step.target_hidden,
-                           width, per_call, generator, temperature, compiled)
-    if method == "oracle":
-        return oracle_tree(step.anchor, budget, len(logits), target, step.cache, generator, temperature, per_call)
-    raise WeaverError(f"unknown tree method '{method}'; available: {', '.join(TREE_METHODS)}")
 
 
 @torch.inference_mode()

@@ -1,5 +1,6 @@
-"""The weaver plugin inside the real SGLang: found through its entry point, registered, and, until the SGLang
-worker exists, refusing a launch with one clear message before any model loads.
+"""The weaver plugin inside the real SGLang: found through its entry point, registered, setting the SGLang
+arguments its worker needs, and refusing a launch without a drafter with one clear message before any model
+loads. (The worker itself runs in test_cpu_engine.py.)
 
 Runs in the SGLang environment (`bash scripts/install.sh --serve`; tests/test_serving.py starts it).
 """
@@ -9,13 +10,14 @@ import subprocess
 import sys
 
 import pytest
+from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from checkpoints import TARGET, checkpoint
-from weaver.serving.sglang import ALGORITHMS, register
+from checkpoints import DRAFTER, TARGET, checkpoint
+from weaver.serving.sglang import ALGORITHMS, DEFAULT_DRAFT_TOKENS, register
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +37,34 @@ def test_the_entry_point_registers_every_algorithm():
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_server_args_resolution_stops_with_the_reason(name, tiny_model):
+def test_server_args_get_what_the_worker_needs(name, tiny_model):
+    load_plugins()
+    args = ServerArgs(model_path=str(tiny_model), speculative_algorithm=name, device="cpu",
+                      speculative_draft_model_path=str(checkpoint(DRAFTER)))
+    args.resolve_once()
+    cfg = resolving_view(args)  # what resolution decided
+    assert cfg.speculative_num_draft_tokens == DEFAULT_DRAFT_TOKENS
+    assert (cfg.speculative_num_steps, cfg.speculative_eagle_topk) == (DEFAULT_DRAFT_TOKENS - 1, 1)
+    assert cfg.disable_radix_cache and cfg.disable_overlap_schedule and cfg.disable_cuda_graph
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_server_args_without_a_drafter_stop_with_the_reason(name, tiny_model):
     load_plugins()
     args = ServerArgs(model_path=str(tiny_model), speculative_algorithm=name, device="cpu")
-    with pytest.raises(NotImplementedError, match=f"{name} is registered with SGLang by the weaver plugin, but its "
-                                                  "SGLang worker .* is not built yet"):
+    with pytest.raises(ValueError, match=f"--speculative-algorithm {name} needs our drafter: "
+                                         "--speculative-draft-model-path"):
         args.resolve_once()
     with pytest.raises(ValueError, match="Unknown speculative algorithm name: NOT_WEAVER"):
         ServerArgs(model_path=str(tiny_model), speculative_algorithm="NOT_WEAVER", device="cpu").resolve_once()
 
 
 def test_launch_server_finds_the_plugin_and_stops_before_loading(tiny_model):
-    """`python -m sglang.launch_server --speculative-algorithm WEAVER`, as a user types it."""
+    """`python -m sglang.launch_server --speculative-algorithm WEAVER` without a drafter, as a user might type it."""
     run = subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model), "--device", "cpu",
          "--speculative-algorithm", "WEAVER", "--port", "39123"],
         capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
-    assert "WEAVER is registered with SGLang by the weaver plugin" in run.stderr + run.stdout
+    assert "--speculative-algorithm WEAVER needs our drafter" in run.stderr + run.stdout
     assert "Unknown speculative algorithm" not in run.stderr + run.stdout

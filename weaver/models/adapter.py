@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -34,7 +35,10 @@ from weaver.errors import WeaverError
 from weaver.io import atomic_dir
 from weaver.models.config import from_hf, is_count
 from weaver.models.drafter import DrafterLayer
-from weaver.models.target import RMSNorm, TargetModel, rope_tables
+from weaver.models.layers import RMSNorm, rope_tables
+
+if TYPE_CHECKING:  # the drafting side runs without the target's verification kernels
+    from weaver.models.target import TargetModel
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -21,7 +22,9 @@ from transformers import AutoConfig, PretrainedConfig
 from weaver.errors import WeaverError
 from weaver.io import atomic_dir
 from weaver.models.config import TargetConfig, from_hf
-from weaver.models.target import TargetModel
+
+if TYPE_CHECKING:
+    from weaver.models.target import TargetModel
 
 try:  # transformers' strict config dataclasses (a field of the wrong type) raise this, not a ValueError
     from huggingface_hub.errors import StrictDataclassError
@@ -89,6 +92,8 @@ def model_from_state_dict(cfg: TargetConfig, tensors: dict[str, torch.Tensor], d
         if "lm_head.weight" not in tensors:
             raise WeaverError("checkpoint lacks lm_head.weight and tie_word_embeddings is false")
         state["lm_head.weight"] = tensors["lm_head.weight"]
+    from weaver.models.target import TargetModel  # here: drafter checkpoints load without the target's kernels
+
     with torch.device("meta"):
         model = TargetModel(cfg)
     try:

@@ -14,7 +14,7 @@ The body is a Qwen3 decoder stack, so its architecture is a `TargetConfig` read 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,10 @@ from torch import nn
 
 from weaver.errors import WeaverError
 from weaver.models.config import TargetConfig
-from weaver.models.target import MLP, RMSNorm, TargetModel, apply_rope, rope_tables
+from weaver.models.layers import MLP, RMSNorm, apply_rope, rope_tables
+
+if TYPE_CHECKING:  # the drafting side runs without the target's verification kernels
+    from weaver.models.target import TargetModel
 
 
 @dataclass(frozen=True)
@@ -185,3 +188,22 @@ class Drafter(nn.Module):
             x = layer(x, rope, context_kv, None)
         hidden = self.norm(x)[:, 1:]
         return Draft(target.lm_head(hidden[:, :max_depth]), hidden)
+
+
+def check_pair(target: TargetModel, drafter: Drafter) -> None:
+    """Refuse a drafter that does not fit the target, with one clear message."""
+    t, d = target.cfg, drafter.cfg
+    if d.body.hidden_size != t.hidden_size:
+        raise WeaverError(f"drafter hidden size {d.body.hidden_size} does not match the target's {t.hidden_size}")
+    if d.body.vocab_size not in (0, t.vocab_size):
+        raise WeaverError(f"drafter vocab {d.body.vocab_size} does not match the target's {t.vocab_size}")
+    if not 0 <= d.mask_token_id < t.vocab_size:
+        raise WeaverError(f"drafter mask_token_id {d.mask_token_id} is outside the target vocab ({t.vocab_size})")
+    if len(set(d.target_layer_ids)) != len(d.target_layer_ids):
+        raise WeaverError(f"drafter taps a target layer twice: {list(d.target_layer_ids)}")
+    bad = [i for i in d.target_layer_ids if not 0 <= i < t.num_layers]
+    if bad:
+        raise WeaverError(f"drafter taps target layers {bad}, but the target has {t.num_layers} layers")
+    if d.num_target_layers not in (None, t.num_layers):
+        raise WeaverError(f"drafter was made for a target of {d.num_target_layers} layers (num_target_layers), "
+                          f"this target has {t.num_layers}")

@@ -11,6 +11,7 @@ checkpoints have none and load as before.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -20,8 +21,10 @@ from weaver.errors import WeaverError
 from weaver.io import atomic_dir
 from weaver.models.checkpoint import check_tokenizer_fingerprint, load_hf_config, read_safetensors, resolve_checkpoint
 from weaver.models.config import from_hf, is_count
-from weaver.models.drafter import Drafter, DrafterConfig, default_target_layers
-from weaver.models.target import TargetModel
+from weaver.models.drafter import Drafter, DrafterConfig, check_pair, default_target_layers
+
+if TYPE_CHECKING:
+    from weaver.models.target import TargetModel
 
 
 def new_drafter_config(
@@ -119,8 +122,6 @@ def load_drafter(name_or_path: str, target: TargetModel | None = None, dtype: to
     except RuntimeError as err:
         raise WeaverError(f"drafter weights do not fit its config.json: {str(err).splitlines()[-1].strip()}") from None
     if target is not None:
-        from weaver.engine import check_pair
-
         check_pair(target, drafter)
         check_tokenizer_fingerprint(f"the drafter at {name_or_path}", cfg.tokenizer_sha256, target, tokenizer)
     return drafter.to(dtype).eval()

@@ -28,6 +28,7 @@ from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
 from kernels.tree_attention import tree_attention
 from kernels.tree_conv import tree_conv1d, tree_conv_commit_
 from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_, gdn_gates
+from weaver.models.layers import MLP, RMSNorm, apply_rope, rms_norm, rope_tables
 from weaver.tree import Tree
 
 
@@ -64,48 +65,10 @@ class TargetOutput:
     taps: list[torch.Tensor] = field(default_factory=list)  # outputs of the requested decoder layers
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32; scale = offset + weight (offset 1 for zero-centred Qwen3.5 norms)."""
-
-    def __init__(self, dim: int, eps: float, offset: float = 0.0):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
-        self.eps, self.offset = eps, offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight + self.offset if self.offset else self.weight, self.eps)
-
-
 def verify_size(nodes: int) -> int:
     """The tree size a compiled verify pads `nodes` to: 2, 3, 5, 9, 17, 33, ... (2^k + 1, a budget that is a
     power of two plus its root), so a handful of graphs serve every tree."""
     return 1 + (1 << max(nodes - 2, 0).bit_length())
-
-
-def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * scale in fp32, cast back. Written out: torch's CPU rms_norm is a slower composite,
-    and skipping no-op casts matters in the batch-1 decode loop, which is dispatch-bound."""
-    h = x if x.dtype == torch.float32 else x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (scale if scale.dtype == torch.float32 else scale.float())
-    return h if h.dtype == x.dtype else h.to(x.dtype)
-
-
-def rope_tables(
-    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (B, T, 1, rotary_dim) for position ids (B, T), in the rotate-half layout."""
-    freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first `rotary_dim` channels of (B, T, H, D); the rest pass through."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
 
 
 class Attention(nn.Module):
@@ -229,17 +192,6 @@ class GatedDeltaNet(nn.Module):
         gdn_pending, conv_pending = pending
         gdn_tree_commit_(cache.recurrent[self.layer], gdn_pending, leaf)
         tree_conv_commit_(cache.conv[self.layer], conv_pending, leaf)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: TargetConfig):
-        super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

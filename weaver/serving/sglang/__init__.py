@@ -1,19 +1,59 @@
 """SGLang plugin: registers the tree methods as SGLang speculative algorithms.
 
 `register` is the entry point SGLang calls in every process it starts (group `sglang.srt.plugins`,
-declared in pyproject.toml), so `--speculative-algorithm WEAVER` resolves to ours. What exists and what
-does not is in the README ("Serving with SGLang").
+declared in pyproject.toml), so `--speculative-algorithm WEAVER` (or DDTREE) resolves to our worker
+(`weaver.serving.sglang.worker`, imported only when SGLang builds it). What has run where is in the README
+("Serving with SGLang").
+
+Settings: `--speculative-draft-model-path` is our drafter (DFlash format), `--speculative-num-draft-tokens`
+the tree size (budget + 1, default 16); the Weaver adapter and the search's width come from the environment
+(SGLang's argument parser is not ours to extend): WEAVER_ADAPTER=<adapter folder>, WEAVER_CHILDREN,
+WEAVER_NODES_PER_CALL, and WEAVER_TRACE=<file>: every step of every request as a JSON line (prompt,
+position, the drafter's top logits per depth, the tree, drafts accepted), to compare a served run with
+weaver's own engine step by step.
 """
 
 from __future__ import annotations
 
-ALGORITHMS = ("WEAVER", "DDTREE")  # the adapter's search; the same search scoring by the drafter's marginals
+import json
+import os
+from dataclasses import dataclass
 
-WORKER_MISSING = (
-    "{name} is registered with SGLang by the weaver plugin, but its SGLang worker (drafting, tree verify and "
-    "commit inside SGLang's scheduler) is not built yet; run it with weaver's own engine (`python eval.py`, "
-    "`benchmarks/spec_decode.py`). See the README, 'Serving with SGLang'."
-)
+ALGORITHMS = {"WEAVER": "weaver", "DDTREE": "ddtree"}  # SGLang name -> weaver.builders method
+DEFAULT_DRAFT_TOKENS = 16  # the tree's nodes with its root: a budget of 15, a 16-block drafter's chain
+ADAPTER_ENV, CHILDREN_ENV, NODES_PER_CALL_ENV = "WEAVER_ADAPTER", "WEAVER_CHILDREN", "WEAVER_NODES_PER_CALL"
+TRACE_ENV = "WEAVER_TRACE"
+TRACE_TOP = 4  # the drafter's largest logits per depth a trace keeps (a fingerprint of its inputs)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The worker's settings that SGLang's arguments cannot carry."""
+
+    adapter: str | None
+    width: int
+    nodes_per_call: int | None
+    trace: str | None
+
+    @classmethod
+    def from_env(cls) -> "WorkerSettings":
+        return cls(os.environ.get(ADAPTER_ENV) or None, _count(CHILDREN_ENV, 8), _count(NODES_PER_CALL_ENV, None),
+                   os.environ.get(TRACE_ENV) or None)
+
+    def record(self, **step) -> None:
+        """Append one step to the trace file, if one is set."""
+        if self.trace:
+            with open(self.trace, "a") as f:
+                f.write(json.dumps(step) + "\n")
+
+
+def _count(variable: str, default: int | None) -> int | None:
+    value = os.environ.get(variable)
+    if value is None:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{variable} must be a whole number >= 1, got {value!r}")
+    return int(value)
 
 
 def register() -> None:
@@ -26,13 +66,53 @@ def register() -> None:
             continue  # already registered in this process
         except ValueError:
             pass
-        SpeculativeAlgorithm.register(name, validate_server_args=_refuse(name))(_refuse(name))
+        SpeculativeAlgorithm.register(name, validate_server_args=configure, spec_class=_tree_spec_class())(
+            _worker_factory(name))
 
 
-def _refuse(name: str):
-    """Server-args check and worker factory in one: stop the launch with the reason, before any model loads."""
+def _tree_spec_class():
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-    def refuse(server_args) -> None:
-        raise NotImplementedError(WORKER_MISSING.format(name=name))
+    class TreeSpecAlgo(CustomSpecAlgo):
+        """Scheduled like SGLang's NGRAM: drafts live outside SGLang's KV pools, the tree only in the verify
+        mask, accepted tokens relayed as NGRAM's are. Hooks the scheduler calls that a plugin algorithm does
+        not define (`create_future_map`, `need_topk`, ...) are NGRAM's."""
 
-    return refuse
+        def is_ngram(self) -> bool:
+            return True
+
+        def has_draft_kv(self) -> bool:
+            return False
+
+        def __getattr__(self, name: str):
+            return getattr(SpeculativeAlgorithm.NGRAM, name)
+
+    return TreeSpecAlgo
+
+
+def configure(server_args) -> None:
+    """SGLang's arguments this worker needs, set before anything loads; one clear error for a missing drafter."""
+    if not server_args.speculative_draft_model_path:
+        raise ValueError(f"--speculative-algorithm {server_args.speculative_algorithm} needs our drafter: "
+                         "--speculative-draft-model-path <a DFlash-format drafter folder, e.g. from weaver's "
+                         "`drafter` stage>")
+    if server_args.speculative_num_draft_tokens is None:
+        server_args.speculative_num_draft_tokens = DEFAULT_DRAFT_TOKENS
+    if server_args.speculative_num_draft_tokens < 2:
+        raise ValueError("--speculative-num-draft-tokens counts the tree's root: it must be at least 2 (budget 1)")
+    server_args.speculative_num_steps = server_args.speculative_num_draft_tokens - 1  # KV reserved per step:
+    server_args.speculative_eagle_topk = 1  # max(steps * topk, draft tokens) = the tree's size
+    server_args.disable_overlap_schedule = True  # the worker is synchronous
+    server_args.disable_radix_cache = True  # the drafter must see every prompt token's target states
+    server_args.disable_cuda_graph = True  # the target's states are read with a forward hook
+    server_args.enable_mixed_chunk = False
+
+
+def _worker_factory(name: str):
+    def worker_class(server_args):
+        from weaver.serving.sglang.worker import TreeWorker
+
+        return type(f"{name.title()}Worker", (TreeWorker,), {"method": ALGORITHMS[name]})
+
+    return worker_class

@@ -1,0 +1,63 @@
+"""The building blocks our target, drafter and adapter share: RMSNorm, RoPE, the SwiGLU MLP.
+
+Kept apart from `weaver.models.target` so that the drafting side (drafter, adapter, tree builders) imports
+without the target's tree-verification kernels, e.g. inside SGLang's environment, where the name `kernels`
+is Hugging Face's package.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weaver.models.config import TargetConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32; scale = offset + weight (offset 1 for zero-centred Qwen3.5 norms)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight + self.offset if self.offset else self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * scale in fp32, cast back. Written out: torch's CPU rms_norm is a slower composite,
+    and skipping no-op casts matters in the batch-1 decode loop, which is dispatch-bound."""
+    h = x if x.dtype == torch.float32 else x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (scale if scale.dtype == torch.float32 else scale.float())
+    return h if h.dtype == x.dtype else h.to(x.dtype)
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (B, T, 1, rotary_dim) for position ids (B, T), in the rotate-half layout."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first `rotary_dim` channels of (B, T, H, D); the rest pass through."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
