@@ -13,7 +13,8 @@ from conftest import ROOT
 from hf_tiny import save_tiny_hf_model
 from safetensors.torch import save_file
 from serving_sglang.checkpoints import (
-    ADAPTER, DRAFT_STEP, DRAFTER, MAX_NEW_TOKENS, NUM_DRAFT_TOKENS, REFERENCE, TARGET, prompts,
+    ADAPTER, DRAFT_STEP, DRAFTER, MAX_NEW_TOKENS, NUM_DRAFT_TOKENS, REFERENCE, SAMPLED_PROMPT, SAMPLED_TEMPERATURE, TARGET,
+    prompts,
 )
 from weaver.builders import ddtree
 from weaver.engine import speculative_generate
@@ -79,7 +80,22 @@ def reference_runs(target, drafter: Drafter, adapter: WeaverAdapter) -> dict[str
                 "per_step": stats.accepted, "top_logits": [d.logits[0].topk(TRACE_TOP).values.tolist() for d in top_logits],
             })
     del drafter.draft
+    runs["sampled"] = token_marginals(target, SAMPLED_PROMPT, SAMPLED_TEMPERATURE)
     return runs
+
+
+@torch.inference_mode()
+def token_marginals(target, prompt: list[int], temperature: float) -> list[list[float]]:
+    """The exact distributions of the 2nd and 3rd tokens sampled after `prompt`, summed over the tokens before
+    them: one batched target forward per position."""
+    vocab = target.cfg.vocab_size
+
+    def probs(ids: list[list[int]]) -> torch.Tensor:
+        return torch.softmax(target(torch.tensor(ids)).logits[:, -1].double() / temperature, -1)
+
+    p12 = probs([prompt])[0][:, None] * probs([prompt + [t] for t in range(vocab)])  # (t1, t2)
+    p3 = (p12.flatten()[:, None] * probs([prompt + [a, b] for a in range(vocab) for b in range(vocab)])).sum(0)
+    return [p12.sum(0).tolist(), p3.tolist()]
 
 
 @torch.inference_mode()

@@ -28,8 +28,10 @@ from types import ModuleType, SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from checkpoints import (  # noqa: E402
-    ADAPTER, DRAFTER, MAX_NEW_TOKENS, NUM_DRAFT_TOKENS, REFERENCE, TARGET, checkpoint, prompts,
+    ADAPTER, DRAFTER, MAX_NEW_TOKENS, NUM_DRAFT_TOKENS, REFERENCE, SAMPLED_PROMPT, SAMPLED_RUNS, SAMPLED_TEMPERATURE,
+    TARGET, checkpoint, prompts,
 )
+from scipy.stats import chi2  # noqa: E402
 
 ENGINE_FOLDER = Path(__file__).resolve().parent / "cpu_engine"
 ENGINE_ARGS = dict(
@@ -46,8 +48,8 @@ WORKERS = ("ddtree", "weaver")  # our algorithms, by weaver.builders method name
 
 
 def run_engines(target: str, drafter: str, out: str) -> None:
-    """Plain greedy, then NGRAM, DDTREE and WEAVER greedy, on the same requests; token ids, logprobs and spec
-    stats to `out`."""
+    """Plain greedy, then NGRAM, DDTREE and WEAVER greedy, on the same requests, and the workers' sampled runs;
+    token ids, logprobs and spec stats to `out`."""
     import sglang as sgl
 
     vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
@@ -63,6 +65,11 @@ def run_engines(target: str, drafter: str, out: str) -> None:
         try:
             runs = [engine.generate(input_ids=[p], sampling_params=sampling, return_logprob=True) for p in singles]
             runs.append(engine.generate(input_ids=batch, sampling_params=sampling, return_logprob=True))
+            if name in WORKERS:
+                sampled = engine.generate(input_ids=[SAMPLED_PROMPT] * SAMPLED_RUNS, sampling_params={
+                    "max_new_tokens": 3, "temperature": SAMPLED_TEMPERATURE})
+                results[f"{name}_sampled"] = [{"ids": o["output_ids"], "drafts": o["meta_info"].get("spec_num_correct_drafts", 0)}
+                                              for o in sampled]
         finally:
             engine.shutdown()
         results[name] = [
@@ -154,6 +161,27 @@ def test_our_worker_drafts_what_the_reference_engine_drafts(engine_runs, method)
         assert [s["position"] for s in served] == sorted(s["position"] for s in served)
         for s, expected in zip(served, request["top_logits"], strict=True):
             torch.testing.assert_close(torch.tensor(s["top_logits"]), torch.tensor(expected), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", WORKERS)
+def test_our_worker_samples_the_targets_distribution(engine_runs, method):
+    """Sampled requests (temperature 0.1) through drawn trees and our recursive rejection sampling: the 2nd
+    and 3rd tokens of many runs against their exact distributions (Pearson chi-square; cells expecting fewer
+    than 5 draws pooled). SGLang's own CPU verify would be greedy here and fail it. With this random drafter
+    few drafts are accepted (about 1%): the rule's own statistics are tested in tests/test_verify_rules.py,
+    this checks the worker's wiring (its trees' draws, the verify rows, the commit)."""
+    runs = engine_runs[f"{method}_sampled"]
+    assert len(runs) == SAMPLED_RUNS and all(len(r["ids"]) == 3 for r in runs)
+    exact = json.loads(checkpoint(REFERENCE).read_text())["sampled"]
+    for position, probs in zip((1, 2), exact):
+        counts = torch.bincount(torch.tensor([r["ids"][position] for r in runs]), minlength=len(probs)).double()
+        expected = torch.tensor(probs) * len(runs)
+        small = expected < 5
+        counts = torch.cat([counts[~small], counts[small].sum()[None]])
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+        stat = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2.sf(stat, len(expected) - 1) > 1e-4, (position, stat, len(expected))
+    assert sum(r["drafts"] for r in runs) > 0
 
 
 # --- the shim's pieces, in this process --------------------------------------------------------------------

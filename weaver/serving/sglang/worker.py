@@ -10,7 +10,9 @@ To the scheduler the worker looks like SGLang's NGRAM worker (`TreeSpecAlgo.is_n
 outside SGLang's KV pools and the tree only in the verify mask, so the NGRAM relay, KV sizing and
 server-argument rules apply unchanged. The target's hidden states are read with a forward hook on its
 decoder stack, which CUDA-graph replays skip: launch with `--disable-cuda-graph` (the plugin sets it).
-Greedy requests only: SGLang's sampled tree verify is not ours (and on CPU SGLang verifies greedily).
+Greedy requests are verified by SGLang's greedy tree verify; sampled ones (temperature > 0) draw their
+trees without replacement and are verified by our recursive rejection sampling (`weaver.verify`), at the
+request's temperature only: top-p, top-k, min-p and penalties are not applied to them.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from weaver.models.adapter import WeaverAdapter, load_adapter
 from weaver.models.drafter import DrafterCache
 from weaver.models.drafter_checkpoint import load_drafter
 from weaver.serving.sglang import ADAPTER_ENV, TRACE_TOP, WorkerSettings
-from weaver.serving.sglang.tree_inputs import tree_verify_inputs
+from weaver.search import Proposal
+from weaver.serving.sglang.tree_inputs import accept_outputs, accepted_leaves, tree_verify_inputs
 from weaver.tree import Tree
+from weaver.verify import recursive_rejection_tree
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,9 @@ class RequestState:
 
     context: DrafterCache  # the drafter's cache of the committed tokens' tapped target states
     last_hidden: torch.Tensor  # (H,) the target's final-norm state of the last committed token
-    tree: Tree | None = None  # the step in flight: its tree and the drafter's top logits (for the trace)
+    temperature: float = 0.0  # 0: greedy
+    generator: torch.Generator | None = None  # a sampled request's draws (trees and acceptance)
+    proposal: Proposal | None = None  # the step in flight: its tree and the drafter's top logits (for the trace)
     top_logits: torch.Tensor | None = None
 
 
@@ -192,6 +198,9 @@ class TreeWorker(BaseSpecWorker):
         result = self._target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True)
         predict, accept_lens, accept_index = eagle_sample(verify, batch, result.logits_output, None,
                                                           watermark_state=self.model_runner.watermark_state)
+        if any(self.requests[req.rid].generator is not None for req in batch.reqs):
+            predict, accept_lens, accept_index = self._sampled_acceptance(
+                batch, result.logits_output.next_token_logits, predict, accept_lens, accept_index)
         new_seq_lens = batch.seq_lens + accept_lens
         commit_mamba_states_after_verify(self._target_worker, batch, accept_lens, accept_index, self.draft_token_num)
         accept_tokens = predict[accept_index].flatten()
@@ -220,15 +229,42 @@ class TreeWorker(BaseSpecWorker):
     @torch.inference_mode()
     def _draft(self, req, seq_len: int) -> Tree:
         """The request's draft tree: anchor = its last output token (not yet in the KV cache, at position
-        seq_len), block drafted from its context, tree built by `weaver.builders.propose`."""
+        seq_len), block drafted from its context, tree built by `weaver.builders.propose` (children drawn
+        without replacement for a sampled request)."""
         state, anchor = self.requests[req.rid], req.output_ids[-1]
+        if state.generator is None and req.sampling_params.top_k != 1:  # SGLang's greedy is top_k == 1
+            state.temperature, state.generator = req.sampling_params.temperature, self._generator(req)
         budget = self.draft_token_num - 1
         draft = self.drafter.draft(self.head, state.context, torch.tensor([anchor], device=self.device),
                                    torch.tensor([seq_len], device=self.device), max_depth=budget)
-        proposal = propose(self.method, StepInputs(anchor, draft, state.last_hidden), budget, self.head,
-                           self.adapter, self.settings.width, self.settings.nodes_per_call)
-        state.tree, state.top_logits = proposal.tree, draft.logits[0].topk(TRACE_TOP).values
-        return proposal.tree
+        state.proposal = propose(self.method, StepInputs(anchor, draft, state.last_hidden), budget, self.head,
+                                 self.adapter, self.settings.width, self.settings.nodes_per_call, state.generator,
+                                 state.temperature or 1.0)
+        state.top_logits = draft.logits[0].topk(TRACE_TOP).values
+        return state.proposal.tree
+
+    def _generator(self, req) -> torch.Generator:
+        """A sampled request's own random stream: from its `sampling_seed`, else fresh entropy."""
+        generator = torch.Generator(device=self.device)
+        seed = req.sampling_params.sampling_seed
+        generator.manual_seed(seed) if seed is not None else generator.seed()
+        return generator
+
+    def _sampled_acceptance(self, batch, logits: torch.Tensor, predict: torch.Tensor, accept_lens: torch.Tensor,
+                            accept_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sampled requests accepted by our recursive rejection sampling over their drawn trees (lossless for
+        the target's temperature-T distribution; SGLang's own rule would be target-only sampling on a GPU and is
+        greedy on a CPU), greedy ones as SGLang's verify decided; in SGLang's (predict, accept_lens,
+        accept_index) layout for its KV commit."""
+        n, states = self.draft_token_num, [self.requests[req.rid] for req in batch.reqs]
+        leaves = accepted_leaves(accept_index, accept_lens - 1, predict)
+        for b, state in enumerate(states):
+            if state.generator is not None:
+                tree = state.proposal.tree
+                leaves[b] = recursive_rejection_tree(tree, logits[b * n : b * n + len(tree)],
+                                                     state.proposal.child_probs, state.temperature, state.generator)
+        predict, accept_index, drafts = accept_outputs([state.proposal.tree for state in states], leaves, n)
+        return predict, drafts + 1, accept_index
 
     def _verify_input(self, batch, trees: list[Tree]) -> NgramVerifyInput:
         """Turn the decode batch into a TARGET_VERIFY batch over the trees (SGLang's CPU attention reads the
@@ -257,6 +293,6 @@ class TreeWorker(BaseSpecWorker):
             state = self.requests[req.rid]
             self.drafter.extend_context(state.context, [t[nodes][None] for t in taps], positions)
             state.last_hidden = hidden[nodes[-1]]
+            tree = state.proposal.tree
             self.settings.record(prompt=list(req.origin_input_ids), position=seq_len, top_logits=state.top_logits.tolist(),
-                                 tree_tokens=state.tree.tokens.tolist(), tree_parents=state.tree.parents.tolist(),
-                                 accepted=length - 1)
+                                 tree_tokens=tree.tokens.tolist(), tree_parents=tree.parents.tolist(), accepted=length - 1)
