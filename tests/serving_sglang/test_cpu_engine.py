@@ -55,7 +55,9 @@ def run_engines(target: str, drafter: str, out: str) -> None:
     vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
     singles, batch = prompts(vocab)
     sampling = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}
-    ours = dict(speculative_draft_model_path=drafter, speculative_num_draft_tokens=NUM_DRAFT_TOKENS)
+    # prompts of more than 8 tokens are prefilled in chunks: the drafter's context must grow with each chunk
+    ours = dict(speculative_draft_model_path=drafter, speculative_num_draft_tokens=NUM_DRAFT_TOKENS,
+                chunked_prefill_size=8)
     results = {}
     engines = [("plain", {}), ("ngram", NGRAM_ARGS)]
     engines += [(method, dict(speculative_algorithm=method.upper(), **ours)) for method in WORKERS]

@@ -75,8 +75,10 @@ class TargetHead(nn.Module):
 class RequestState:
     """One request's drafting state between steps."""
 
+    req: object  # SGLang's request (`finished()` ends this state)
     context: DrafterCache  # the drafter's cache of the committed tokens' tapped target states
     last_hidden: torch.Tensor  # (H,) the target's final-norm state of the last committed token
+    decoding: bool = False  # has been in a decode batch (so leaving one means it finished or was retracted)
     temperature: float = 0.0  # 0: greedy
     generator: torch.Generator | None = None  # a sampled request's draws (trees and acceptance)
     proposal: Proposal | None = None  # the step in flight: its tree and the drafter's top logits (for the trace)
@@ -179,12 +181,12 @@ class TreeWorker(BaseSpecWorker):
         start = 0
         for req, prefix, length in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             state = self.requests.get(req.rid)
-            if state is None:
-                if prefix:
-                    raise WeaverError("a prompt prefix was served from SGLang's cache, so the drafter never saw it: "
-                                      "launch with --disable-radix-cache (the weaver plugin sets it)")
+            if prefix == 0:  # a new request, or one SGLang prefills again after retracting it
                 longest = len(req.origin_input_ids) + req.sampling_params.max_new_tokens + self.draft_token_num
-                state = self.requests[req.rid] = RequestState(self.drafter.new_cache(1, longest), hidden[0])
+                state = self.requests[req.rid] = RequestState(req, self.drafter.new_cache(1, longest), hidden[0])
+            elif state is None:
+                raise WeaverError("a prompt prefix was served from SGLang's cache, so the drafter never saw it: "
+                                  "launch with --disable-radix-cache (the weaver plugin sets it)")
             rows = slice(start, start + length)
             positions = torch.arange(prefix, prefix + length, device=self.device)[None]
             self.drafter.extend_context(state.context, [t[rows][None] for t in taps], positions)
@@ -220,11 +222,14 @@ class TreeWorker(BaseSpecWorker):
         )
 
     def _forget_departed(self, batch) -> None:
-        """Drop the drafting state of requests no longer decoding (finished or aborted). In the synchronous
-        schedule every live request is in each decode batch."""
+        """Drop the drafting state of finished requests and of decoding ones that left the decode batch
+        (retracted: SGLang prefills them again). A request between the chunks of its prefill keeps its state."""
         live = {req.rid for req in batch.reqs}
-        for rid in [rid for rid in self.requests if rid not in live]:
-            del self.requests[rid]
+        for rid, state in list(self.requests.items()):
+            if state.req.finished() or (state.decoding and rid not in live):
+                del self.requests[rid]
+        for req in batch.reqs:
+            self.requests[req.rid].decoding = True
 
     @torch.inference_mode()
     def _draft(self, req, seq_len: int) -> Tree:
