@@ -61,6 +61,8 @@ def test_gguf_is_dequantised_once_into_a_safetensors_folder(smollm2):
     cfg, ours, _ = smollm2
     folder = gguf_as_safetensors(cfg)  # the fixture built it: this call only finds it
     assert folder.parent == Path(cfg.paths.root) / "artifacts" and (folder / "model.safetensors").is_file()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]  # what serving engines (SGLang) build the model from
     again, tokenizer = load_target_and_tokenizer(cfg)
     assert tokenizer.chat_template and all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
 

@@ -186,6 +186,21 @@ def test_our_worker_samples_the_targets_distribution(engine_runs, method):
     assert sum(r["drafts"] for r in runs) > 0
 
 
+def test_the_serving_benchmark_runs(tmp_path):
+    """benchmarks/serve_sglang.py: plain, DDTREE and WEAVER through SGLang's engine, outputs equal to plain."""
+    (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3, 4, 5, 6], [30, 31, 32, 30, 31, 33]]))
+    script = ENGINE_FOLDER.parents[2] / "benchmarks" / "serve_sglang.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--target", str(checkpoint(TARGET)), "--drafter", str(checkpoint(DRAFTER)),
+         "--adapter", str(checkpoint(ADAPTER)), "--prompt-ids", str(tmp_path / "prompts.json"), "--max-new-tokens", "8",
+         "--cpu-stand-ins", str(ENGINE_FOLDER), "--out", str(tmp_path / "out.json")],
+        capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert [r["method"] for r in results] == ["plain", "DDTREE", "WEAVER"]
+    assert all(r["ids"] == results[0]["ids"] and len(r["ids"][0]) == 8 for r in results)
+
+
 # --- the shim's pieces, in this process --------------------------------------------------------------------
 
 

@@ -288,6 +288,10 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, gguf_file
 
 def save_hf_checkpoint(model: TargetModel, hf_config: PretrainedConfig, out_dir: Path, tokenizer=None) -> None:
     """Write config.json + model.safetensors (+ tokenizer) atomically in transformers' format."""
+    if not getattr(hf_config, "architectures", None):  # GGUF-derived configs have none; serving engines need it
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
     with atomic_dir(out_dir) as tmp:
         hf_config.save_pretrained(tmp)
         save_file(hf_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})

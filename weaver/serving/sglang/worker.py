@@ -10,6 +10,7 @@ To the scheduler the worker looks like SGLang's NGRAM worker (`TreeSpecAlgo.is_n
 outside SGLang's KV pools and the tree only in the verify mask, so the NGRAM relay, KV sizing and
 server-argument rules apply unchanged. The target's hidden states are read with a forward hook on its
 decoder stack, which CUDA-graph replays skip: launch with `--disable-cuda-graph` (the plugin sets it).
+Tensor parallel size 1 only (the embedding and lm_head are read whole).
 Greedy requests are verified by SGLang's greedy tree verify; sampled ones (temperature > 0) draw their
 trees without replacement and are verified by our recursive rejection sampling (`weaver.verify`), at the
 request's temperature only: top-p, top-k, min-p and penalties are not applied to them.
@@ -41,8 +42,8 @@ from weaver.errors import WeaverError
 from weaver.models.adapter import WeaverAdapter, load_adapter
 from weaver.models.drafter import DrafterCache
 from weaver.models.drafter_checkpoint import load_drafter
-from weaver.serving.sglang import ADAPTER_ENV, TRACE_TOP, WorkerSettings
 from weaver.search import Proposal
+from weaver.serving.sglang import ADAPTER_ENV, TRACE_TOP, WorkerSettings
 from weaver.serving.sglang.tree_inputs import accept_outputs, accepted_leaves, tree_verify_inputs
 from weaver.tree import Tree
 from weaver.verify import recursive_rejection_tree
@@ -100,7 +101,8 @@ class TreeWorker(BaseSpecWorker):
         self.settings = WorkerSettings.from_env()
         model, hf_config = self.model_runner.model, self.model_runner.model_config.hf_config
         self.head = TargetHead(model, hf_config, server_args.model_path).to(self.device)
-        self.drafter = load_drafter(get_spec().speculative_draft_model_path, self.head).to(self.device)
+        self.dtype = self.head.lm_head.weight.dtype  # the target's: drafting reads its embeddings and states
+        self.drafter = load_drafter(get_spec().speculative_draft_model_path, self.head, self.dtype).to(self.device)
         self.adapter = self._load_adapter()
         self._tap_states(model)
         self.requests: dict[str, RequestState] = {}
@@ -127,7 +129,8 @@ class TreeWorker(BaseSpecWorker):
             return None
         if self.settings.adapter is None:
             raise WeaverError(f"--speculative-algorithm WEAVER needs a trained adapter: set {ADAPTER_ENV} to its folder")
-        return load_adapter(self.settings.adapter, self.head, self.drafter.cfg.block_size - 1).to(self.device)
+        adapter = load_adapter(self.settings.adapter, self.head, self.drafter.cfg.block_size - 1)
+        return adapter.to(self.device, self.dtype)
 
     def _tap_states(self, model: nn.Module) -> None:
         """Have the target keep its tapped layers' outputs, and stash them (with the final-norm states) after
