@@ -41,10 +41,9 @@ class WorkerSettings:
                    os.environ.get(TRACE_ENV) or None)
 
     def record(self, **step) -> None:
-        """Append one step to the trace file, if one is set."""
-        if self.trace:
-            with open(self.trace, "a") as f:
-                f.write(json.dumps(step) + "\n")
+        """Append one step to the trace file."""
+        with open(self.trace, "a") as f:
+            f.write(json.dumps(step) + "\n")
 
 
 def _count(variable: str, default: int | None) -> int | None:

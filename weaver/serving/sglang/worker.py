@@ -165,16 +165,16 @@ class TreeWorker(BaseSpecWorker):
         bs, n = len(batch.reqs), self.draft_token_num
         accept_tokens = torch.zeros(bs, n, dtype=torch.int32, device=self.device)
         accept_tokens[:, 0] = result.next_token_ids
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)  # the target's own next token
         new_seq_lens = batch.seq_lens.clone()
         if on_publish is not None:
             on_publish(new_seq_lens)
         return GenerationBatchResult(
             logits_output=result.logits_output, next_token_ids=result.next_token_ids,
-            can_run_cuda_graph=result.can_run_cuda_graph, accept_lens=torch.ones(bs, dtype=torch.int32, device=self.device),
-            new_seq_lens=new_seq_lens, speculative_num_draft_tokens=n,
+            can_run_cuda_graph=result.can_run_cuda_graph, accept_lens=accept_lens, new_seq_lens=new_seq_lens,
+            speculative_num_draft_tokens=n,
             next_draft_input=NgramVerifyInput(draft_token_num=n, new_seq_lens=new_seq_lens,
-                                              accept_tokens=accept_tokens.flatten(),
-                                              accept_lens=torch.ones(bs, dtype=torch.int32, device=self.device)),
+                                              accept_tokens=accept_tokens.flatten(), accept_lens=accept_lens),
         )
 
     def _read_prompts(self, batch) -> None:
@@ -248,7 +248,8 @@ class TreeWorker(BaseSpecWorker):
         state.proposal = propose(self.method, StepInputs(anchor, draft, state.last_hidden), budget, self.head,
                                  self.adapter, self.settings.width, self.settings.nodes_per_call, state.generator,
                                  state.temperature or 1.0)
-        state.top_logits = draft.logits[0].topk(TRACE_TOP).values
+        if self.settings.trace:  # the trace's fingerprint of the drafter's inputs; off the hot path otherwise
+            state.top_logits = draft.logits[0].topk(TRACE_TOP).values
         return state.proposal.tree
 
     def _generator(self, req) -> torch.Generator:
@@ -301,6 +302,8 @@ class TreeWorker(BaseSpecWorker):
             state = self.requests[req.rid]
             self.drafter.extend_context(state.context, [t[nodes][None] for t in taps], positions)
             state.last_hidden = hidden[nodes[-1]]
-            tree = state.proposal.tree
-            self.settings.record(prompt=list(req.origin_input_ids), position=seq_len, top_logits=state.top_logits.tolist(),
-                                 tree_tokens=tree.tokens.tolist(), tree_parents=tree.parents.tolist(), accepted=length - 1)
+            if self.settings.trace:
+                tree = state.proposal.tree
+                self.settings.record(prompt=list(req.origin_input_ids), position=seq_len,
+                                     top_logits=state.top_logits.tolist(), tree_tokens=tree.tokens.tolist(),
+                                     tree_parents=tree.parents.tolist(), accepted=length - 1)
