@@ -1,6 +1,6 @@
 """Greedy decoding through SGLang's offline engine: plain, then our WEAVER / DDTREE workers on the same
-requests; per method τ (tokens per verify step), drafts accepted, wall time, and whether the output equals
-plain decoding. Runs in the SGLang environment (`bash scripts/install.sh --serve`):
+requests; per method τ ((verify steps + drafts accepted) / verify steps), drafts accepted, wall time, and whether the
+output equals plain decoding. (`eval.py eval.backend=sglang` measures the eval's prompt sets the same way.) Runs in the SGLang environment (`bash scripts/install.sh --serve`):
 
     .venv-sglang/bin/python benchmarks/serve_sglang.py --target DIR --drafter DIR [--adapter DIR] \\
         [--draft-tokens 5] [--max-new-tokens 48] [--prompt-ids FILE] [--cpu-stand-ins tests/serving_sglang/cpu_engine] \\
@@ -19,8 +19,9 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
+
+from weaver.serving.sglang.runs import CPU_ENGINE, run_engine, stand_ins_environment
 
 PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -51,37 +52,24 @@ def chat_prompts(target: str) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace, algorithm: str | None, prompts: list[list[int]]) -> dict:
-    import sglang as sgl
-
-    device = (dict(device="cpu", attention_backend="torch_native", dtype="float32", mem_fraction_static=0.3,
-                   max_total_tokens=8192) if args.cpu_stand_ins else {})
-    spec = {} if algorithm is None else dict(speculative_algorithm=algorithm, speculative_draft_model_path=args.drafter,
-                                             speculative_num_draft_tokens=args.draft_tokens)
-    engine = sgl.Engine(model_path=args.target, skip_tokenizer_init=True, disable_cuda_graph=True, log_level="error",
-                        **device, **spec)
-    try:
-        start = time.perf_counter()
-        outputs = [engine.generate(input_ids=[p], sampling_params={"max_new_tokens": args.max_new_tokens,
-                                                                   "temperature": 0})[0] for p in prompts]
-        seconds = time.perf_counter() - start
-    finally:
-        engine.shutdown()
-    tokens = sum(len(o["output_ids"]) for o in outputs)
-    steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outputs)
-    return {"method": algorithm or "plain", "ids": [o["output_ids"] for o in outputs], "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "tau": tokens / steps if steps else 1.0,
-            "drafts_accepted": sum(o["meta_info"].get("spec_num_correct_drafts", 0) for o in outputs)}
+    """One engine (`weaver.serving.sglang.runs`), the prompts one at a time."""
+    spec = {"target": args.target, "algorithm": algorithm, "drafter": args.drafter,
+            "num_draft_tokens": args.draft_tokens, "batches": [[p] for p in prompts],
+            "max_new_tokens": args.max_new_tokens, "engine": CPU_ENGINE if args.cpu_stand_ins else {},
+            "env": {"WEAVER_ADAPTER": args.adapter} if algorithm == "WEAVER" else {}}
+    batches = run_engine(spec)
+    seconds = sum(b["seconds"] for b in batches)
+    steps, drafts = sum(b["steps"][0] for b in batches), sum(b["drafts"][0] for b in batches)
+    tokens = sum(len(b["ids"][0]) for b in batches)
+    return {"method": algorithm or "plain", "ids": [b["ids"][0] for b in batches], "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "tau": (steps + drafts) / steps if steps else 1.0, "drafts_accepted": drafts}
 
 
 def main() -> None:
     args = parse_args()
-    if args.cpu_stand_ins:  # read by SGLang at import, and by the scheduler processes it spawns
-        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(args.cpu_stand_ins).resolve()),
-                                                                 os.environ.get("PYTHONPATH")]))
+    if args.cpu_stand_ins:
+        os.environ.update(stand_ins_environment(args.cpu_stand_ins))
         sys.path.insert(0, str(Path(args.cpu_stand_ins).resolve()))
-    if args.adapter:
-        os.environ["WEAVER_ADAPTER"] = args.adapter
     prompts = json.loads(Path(args.prompt_ids).read_text()) if args.prompt_ids else chat_prompts(args.target)
     results = [run(args, None, prompts)]
     results += [run(args, name, prompts) for name in ("DDTREE", "WEAVER") if name == "DDTREE" or args.adapter]

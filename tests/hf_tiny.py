@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 VOCAB = 97
 
 
-def tiny_config(model_type: str) -> PretrainedConfig:
+def tiny_config(model_type: str, vocab_size: int = VOCAB) -> PretrainedConfig:
     common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512,
     )
     if model_type == "llama":
@@ -29,9 +29,9 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     raise ValueError(model_type)
 
 
-def save_tiny_hf_model(model_type: str, folder: Path) -> torch.nn.Module:
+def save_tiny_hf_model(model_type: str, folder: Path, vocab_size: int = VOCAB) -> torch.nn.Module:
     """Save a random transformers model; norms and gates are perturbed so that every weight matters."""
-    hf = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    hf = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size)).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name or "dt_bias" in name:

@@ -26,6 +26,7 @@ from weaver.budget import BudgetPlanner, check_budgets, measure_step_costs
 from weaver.data.prompts import encode_prompts, load_prompt_set
 from weaver.engine import speculative_generate
 from weaver.eval.run import check_names
+from weaver.eval.sglang_backend import check_sglang_eval, sglang_python
 from weaver.errors import WeaverError
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, load_adapter, save_adapter
 from weaver.models.checkpoint import load_target, load_tokenizer, tokenizer_fingerprint
@@ -192,6 +193,14 @@ def drafter_made_for(target_like=None, **kwargs):
 OTHER_TOKENIZER = tokenizer_fingerprint(word_tokenizer(VOCAB, "w"))  # same size, other tokens
 
 
+def eval_config(**changes) -> OmegaConf:
+    """A config with the eval settings check_names and the SGLang backend read (defaults: a valid one)."""
+    e = {"methods": ["ar"], "datasets": [], "budgets": [4], "seed": 0, "backend": "torch",
+         "sglang": {"python": None, "concurrency": [1]}}
+    return OmegaConf.create({"eval": {**e, **changes, "sglang": {**e["sglang"], **changes.get("sglang", {})}},
+                             "prompt_sets": {}})
+
+
 def prompt_set(name: str, **set_spec):
     cfg = OmegaConf.create({"prompt_sets": {"humaneval": {"kind": "humaneval", "seed": 0, "size": 4, **set_spec}},
                             "model": {"source": "scratch"}})
@@ -243,9 +252,18 @@ CASES = [
      "eval.auto_budget.candidates must be numbers of draft nodes (>= 1)"),
     ("eval.budgets entries", lambda m, t: check_budgets([4, 0, 2.5, True, "auto"]),
      "eval.budgets entries are numbers of draft nodes (>= 1) or 'auto', got [0, 2.5, True]"),
-    ("eval.seed not a number", lambda m, t: check_names(OmegaConf.create(
-        {"eval": {"methods": ["ar"], "datasets": [], "budgets": [4], "seed": "x"}, "prompt_sets": {}})),
+    ("eval.seed not a number", lambda m, t: check_names(eval_config(seed="x")),
      "eval.seed must be a whole number >= 0, got 'x'"),
+    ("unknown eval.backend", lambda m, t: check_names(eval_config(backend="vllm")),
+     "eval.backend must be one of ['torch', 'sglang'], got 'vllm'"),
+    ("SGLang backend asked for the oracle", lambda m, t: check_sglang_eval(eval_config(methods=["ar", "oracle"])),
+     "eval.backend=sglang measures ['ar', 'chain', 'ddtree', 'weaver'], not ['oracle']"),
+    ("SGLang backend asked for budget auto", lambda m, t: check_sglang_eval(eval_config(budgets=[4, "auto"])),
+     "eval.backend=sglang needs fixed budgets (whole numbers >= 1), got [4, 'auto']"),
+    ("SGLang concurrency 0", lambda m, t: check_sglang_eval(eval_config(sglang={"concurrency": [1, 0]})),
+     "eval.sglang.concurrency must list whole numbers >= 1, got [1, 0]"),
+    ("SGLang interpreter missing", lambda m, t: sglang_python(eval_config(sglang={"python": "/no/such/python"})),
+     "eval.sglang.python: no interpreter at /no/such/python"),
     # --- Weaver search settings ---
     ("more search children than the adapter's pool", lambda m, t: spec(m, method="weaver", budget=8, adapter=m.adapter, width=32),
      "weaver.search.children=32 is more than the adapter's pool of 16 candidates per position (weaver.pool_size): at most 16"),

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import subprocess
 
-from conftest import run_script
+import pytest
+
+from conftest import ROOT, run_script
 
 
 def test_multirun_jobs_append_to_one_results_file(smoke_outputs, tmp_path):
@@ -95,3 +100,22 @@ def test_settings_added_later_keep_existing_keys_at_their_old_behaviour():
     changed = _artifact_keys("train", "rollouts.samples_per_prompt=2", "rollouts.temperature=1")
     assert changed["rollouts"] != keys["rollouts"]
     assert _artifact_keys("train", "weaver.train.heldout_rollouts=8")["weaver"] != keys["weaver"]
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "scripts" / "gpu").glob("*.sh")), ids=lambda p: p.name)
+def test_gpu_scripts_compose_to_evals_the_sglang_backend_accepts(script):
+    """The GPU run scripts cannot be run here; their eval command must at least compose (every override names
+    a setting) into a config the SGLang backend's checks accept, and the script must parse as bash."""
+    from hydra import compose, initialize_config_dir
+
+    from weaver.eval.run import check_names
+    from weaver.eval.sglang_backend import check_sglang_eval
+    from weaver.pipeline import ROOT_CONF
+
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    command = re.search(r"^python eval\.py (.*?)\"\$@\"", script.read_text().replace("\\\n", " "), re.M | re.S)
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        cfg = compose("eval", overrides=shlex.split(command.group(1)))
+    check_names(cfg)
+    check_sglang_eval(cfg)
+    assert cfg.eval.backend == "sglang" and "weaver" in cfg.eval.methods

@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, run_script
 from hf_tiny import save_tiny_hf_model
 from safetensors.torch import save_file
 from serving_sglang.checkpoints import (
@@ -17,6 +19,7 @@ from serving_sglang.checkpoints import (
     prompts,
 )
 from weaver.builders import ddtree
+from weaver.data.corpus import train_tokenizer
 from weaver.engine import speculative_generate
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, save_adapter
 from weaver.models.checkpoint import load_target
@@ -122,3 +125,52 @@ def test_sglang_plugin_tests_pass_against_the_real_sglang(tmp_path):
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
     assert "skipped" not in run.stdout.strip().splitlines()[-1], run.stdout[-3000:]
     print(run.stdout.strip().splitlines()[-1])  # "N passed ... in S s"
+
+
+def eval_checkpoints(folder) -> list[str]:
+    """A tiny Qwen3 target with a BPE tokenizer of its own (what eval.py encodes prompts with), a random DFlash
+    drafter and Weaver adapter for it: the overrides that point `+experiment=qwen3_8b` at them."""
+    torch.manual_seed(0)
+    source = Path(json.__file__).read_text()  # any text: a tokenizer the prompts can be encoded with
+    tokenizer = train_tokenizer([source], 300)
+    save_tiny_hf_model("qwen3", folder / "target", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(folder / "target")
+    target = load_target(str(folder / "target"))
+    config = new_drafter_config(target, 1, 4, tokenizer.mask_token_id, target_layer_ids=(0,))
+    drafter = Drafter(drafter_config(config))
+    adapter = WeaverAdapter(AdapterConfig(target.cfg.hidden_size, target.cfg.vocab_size, drafter.cfg.block_size - 1,
+                                          d_model=32, num_heads=2, intermediate_size=64, rank=16, pool_size=16))
+    with torch.no_grad():
+        for param in [*drafter.parameters(), *adapter.parameters()]:
+            param.normal_(std=0.3)
+        drafter.norm.weight.mul_(40)
+    save_drafter(drafter, config, folder / "drafter")
+    save_adapter(adapter, folder / "adapter")
+    return [f"model.path={folder / 'target'}", f"drafter.path={folder / 'drafter'}", f"weaver.path={folder / 'adapter'}"]
+
+
+def test_eval_through_sglang_writes_the_rows_of_our_engine(tmp_path):
+    """`eval.py eval.backend=sglang` on the same checkpoints and prompts as weaver's own engine: every row's
+    output equals transformers' greedy decoding, and each method's τ (verify steps and drafts accepted)
+    equals our engine's, at one and at two requests in flight."""
+    if not SGLANG_PYTHON.exists():
+        pytest.fail("no SGLang environment: run `bash scripts/install.sh --serve` (the README's test command does)")
+    out = tmp_path / "eval"
+    common = ["+experiment=qwen3_8b", *eval_checkpoints(tmp_path), "model.dtype=float32", "device=cpu",
+              "eval.datasets=[humaneval]", "eval.n_prompts=3", "eval.prompt_tokens=24", "eval.max_new_tokens=12",
+              "eval.methods=[ar,ddtree,weaver]", "eval.budgets=[3]", "eval.compile=false", "eval.check_transformers=true",
+              f"eval.out_dir={out}"]
+    done = run_script("eval.py", tmp_path, *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script("eval.py", tmp_path, *common, "eval.backend=sglang", "eval.sglang.concurrency=[1,2]",
+                      f"eval.sglang.cpu_stand_ins={ROOT / 'tests' / 'serving_sglang' / 'cpu_engine'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    ours = {r["method"]: r for r in rows if r["backend"] == "torch"}
+    served = [r for r in rows if r["backend"] == "sglang"]
+    assert sorted((r["method"], r["concurrency"]) for r in served) == [(m, c) for m in ("ar", "ddtree", "weaver") for c in (1, 2)]
+    for r in served:
+        assert r["matches_transformers"] and r["greedy_match"], r
+        assert r["tau"] == pytest.approx(ours[r["method"]]["tau"], abs=1e-12), (r, ours[r["method"]])
+        assert r["speedup_vs_ar"] > 0 and r["n_tokens"] == ours[r["method"]]["n_tokens"]
+    assert "weaver (sglang, 2 in flight)" in (out / "summary.md").read_text()

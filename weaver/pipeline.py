@@ -318,23 +318,36 @@ def _like(model, target):
     return model.to(device=weight.device, dtype=weight.dtype)
 
 
-def load_drafter_for(cfg: DictConfig, target):
-    """The experiment's drafter: a given DFlash checkpoint (cfg.drafter.path) or the trained artifact."""
-    from weaver.models.drafter_checkpoint import load_drafter
+def drafter_folder(cfg: DictConfig) -> Path:
+    """The experiment's drafter checkpoint: a given DFlash folder or hub snapshot (cfg.drafter.path), or the
+    trained artifact."""
+    from weaver.models.checkpoint import resolve_checkpoint
 
     if cfg.drafter.path is not None:
-        return _like(load_drafter(str(cfg.drafter.path), target), target)
+        return resolve_checkpoint(str(cfg.drafter.path))
     folder = artifact_dir(cfg, "drafter")
     if not folder.exists():
         raise WeaverError(f"no trained drafter at {folder}; run `python train.py +experiment={cfg.experiment}` first")
-    return _like(load_drafter(str(folder), target), target)
+    return folder
 
 
-def load_adapter_for(cfg: DictConfig, target, drafter):
+def load_drafter_for(cfg: DictConfig, target):
+    """The experiment's drafter (`drafter_folder`), checked against the target and placed like it."""
+    from weaver.models.drafter_checkpoint import load_drafter
+
+    return _like(load_drafter(str(drafter_folder(cfg)), target), target)
+
+
+def adapter_folder(cfg: DictConfig) -> Path:
     """The experiment's Weaver adapter: a given folder (cfg.weaver.path) or the trained artifact."""
-    from weaver.models.adapter import load_adapter
-
     folder = Path(cfg.weaver.path) if cfg.weaver.path is not None else artifact_dir(cfg, "weaver")
     if not folder.exists():
         raise WeaverError(f"no trained Weaver adapter at {folder}; run `python train.py +experiment={cfg.experiment}` first")
-    return _like(load_adapter(folder, target, drafter.cfg.block_size - 1), target)
+    return folder
+
+
+def load_adapter_for(cfg: DictConfig, target, drafter):
+    """The experiment's Weaver adapter (`adapter_folder`), checked against the target and drafter."""
+    from weaver.models.adapter import load_adapter
+
+    return _like(load_adapter(adapter_folder(cfg), target, drafter.cfg.block_size - 1), target)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from weaver.eval.results import MACRO, mean_over_seeds
+from weaver.eval.results import MACRO, mean_over_seeds, method_label
 
 
 def _series(rows: list[dict]) -> dict[str, list[dict]]:
@@ -21,7 +21,8 @@ def _series(rows: list[dict]) -> dict[str, list[dict]]:
     several = len({r["temperature"] for r in rows}) > 1
     out: dict[str, list[dict]] = {}
     for r in mean_over_seeds(rows):
-        out.setdefault(f"{r['method']}, T={r['temperature']:g}" if several else r["method"], []).append(r)
+        label = method_label(r)
+        out.setdefault(f"{label}, T={r['temperature']:g}" if several else label, []).append(r)
     return out
 
 

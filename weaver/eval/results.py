@@ -32,12 +32,15 @@ from weaver.io import atomic_write_json, atomic_write_text, writable_dir
 
 MACRO = "macro"
 # What makes two rows the same measurement; the last one in the file wins.
-KEY_FIELDS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "seed", "n_prompts",
-              "prompt_tokens", "max_new_tokens")
+KEY_FIELDS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "seed", "backend",
+              "concurrency", "n_prompts", "prompt_tokens", "max_new_tokens")
+DEFAULTS = {"backend": "torch", "concurrency": 1}  # of rows written before those fields existed
 # What an AR row must share with a row for its tokens/s to be that row's baseline.
-BASELINE_FIELDS = ("experiment", "dataset", "temperature", "n_prompts", "prompt_tokens", "max_new_tokens")
+BASELINE_FIELDS = ("experiment", "dataset", "temperature", "backend", "concurrency", "n_prompts", "prompt_tokens",
+                   "max_new_tokens")
 MACRO_FIELDS = ("tau", "tokens_per_s", "speedup_vs_ar")
-SUMMARY_COLUMNS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "seed", "n_seeds", "tau",
+SUMMARY_COLUMNS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "seed", "backend",
+                   "concurrency", "n_seeds", "tau",
                    "tau_std_over_seeds", "tokens_per_s", "speedup_vs_ar",
                    "greedy_match", "matches_transformers", "mean_budget", "draft_share", "search_share", "verify_share",
                    "accept_share", "commit_share", "other_share", "n_prompts", "n_tokens", "prompt_tokens", "max_new_tokens")
@@ -49,7 +52,27 @@ def _lock(path: Path) -> FileLock:
     return FileLock(path.with_name(f".{path.name}.lock"))
 
 
-RUN_FIELDS = ("run_id", "dataset", "method", "budget")  # one row per measurement of a run
+def result_row(cfg, dataset: str, method: str, budget: int | None, r: dict, ar: dict | None, n_prompts: int,
+               reference: list[list[int]] | None = None, backend: str = "torch", concurrency: int = 1) -> dict:
+    """One measurement as a row: `r` {tau, tokens_per_s, n_tokens, outputs, and optionally the time split
+    (*_share), mean_budget, accept_hist}; `ar` {tokens_per_s, reference: greedy outputs} the baseline of the
+    same run; `reference` transformers' greedy outputs."""
+    e = cfg.eval
+    return {
+        "experiment": cfg.experiment, "dataset": dataset, "method": method, "budget": budget,
+        "temperature": e.temperature, "sampling": e.sampling if e.temperature > 0 else None,
+        "seed": e.seed if e.temperature > 0 else None, "backend": backend, "concurrency": concurrency,
+        "tau": r["tau"], "tokens_per_s": r["tokens_per_s"],
+        "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"] if ar else None,
+        "n_prompts": n_prompts, "n_tokens": r["n_tokens"],
+        "greedy_match": r["outputs"] == ar["reference"] if ar and e.temperature == 0 else None,
+        "matches_transformers": r["outputs"] == reference if reference is not None else None,
+        "prompt_tokens": e.prompt_tokens, "max_new_tokens": e.max_new_tokens,
+        **{k: v for k, v in r.items() if k.endswith("_share") or k in ("mean_budget", "accept_hist")},
+    }
+
+
+RUN_FIELDS = ("run_id", "dataset", "method", "budget", "backend", "concurrency")  # one row per measurement of a run
 
 
 def append_rows(path: Path, rows: list[dict]) -> list[dict]:
@@ -109,7 +132,7 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def _key(row: dict, fields: tuple[str, ...]) -> tuple:
-    return tuple(row.get(f) for f in fields)
+    return tuple(row.get(f, DEFAULTS.get(f)) for f in fields)
 
 
 def latest_rows(rows: list[dict]) -> list[dict]:
@@ -130,7 +153,7 @@ def with_speedups(rows: list[dict]) -> list[dict]:
 def macro_rows(rows: list[dict]) -> list[dict]:
     """Per (experiment, method, budget, temperature, sampling rule) measured on two or more datasets: means
     over datasets and seeds, and the spread of the per-seed macro τ (standard deviation over seeds)."""
-    group_fields = ("experiment", "method", "budget", "temperature", "sampling")
+    group_fields = ("experiment", "method", "budget", "temperature", "sampling", "backend", "concurrency")
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r["dataset"] != MACRO:
@@ -176,7 +199,8 @@ def _all(flags: list[bool | None]) -> bool | None:
 
 def _order(row: dict) -> tuple:
     budget = row["budget"]
-    return (row["experiment"], row["temperature"], row["dataset"] == MACRO, row["dataset"], row["method"],
+    return (row["experiment"], row["temperature"], *_key(row, ("backend", "concurrency")), row["dataset"] == MACRO,
+            row["dataset"], row["method"],
             budget if isinstance(budget, int) else -1 if budget is None else float("inf"))
 
 
@@ -195,10 +219,16 @@ def markdown_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shares = " / ".join(f"{r[k]:.0%}" for k in ("draft_share", "search_share", "verify_share")) if r.get("search_share") is not None else "-"
-        lines.append(f"| {r['dataset']} | {r['method']} | {_fmt(r['budget'])} | {r['temperature']:g} | {_seeds(r)} | {_tau(r)} | "
+        lines.append(f"| {r['dataset']} | {method_label(r)} | {_fmt(r['budget'])} | {r['temperature']:g} | {_seeds(r)} | {_tau(r)} | "
                      f"{_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r['speedup_vs_ar'], '.2f', 'x')} | {shares} | "
                      f"{_fmt(r.get('greedy_match'))} | {_fmt(r.get('matches_transformers'))} |")
     return "\n".join(lines)
+
+
+def method_label(row: dict) -> str:
+    """The method, with the serving backend and concurrency when it is not weaver's own engine at batch 1."""
+    backend, concurrency = _key(row, ("backend", "concurrency"))
+    return row["method"] if backend == "torch" else f"{row['method']} ({backend}, {concurrency} in flight)"
 
 
 def _seeds(row: dict) -> str:

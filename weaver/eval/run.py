@@ -1,6 +1,7 @@
 """`eval.py`: decode prompt sets with each method at each budget; one result row per (dataset, method, budget).
 
-Row fields (results.jsonl): experiment, dataset, method, budget, temperature, tau, tokens_per_s,
+Row fields (results.jsonl): experiment, dataset, method, budget, temperature, backend ("torch": weaver's own
+engine; "sglang": `eval.backend=sglang`, weaver/eval/sglang_backend.py), concurrency, tau, tokens_per_s,
 speedup_vs_ar, n_prompts, n_tokens, greedy_match (= our eager greedy AR decode's tokens), matches_transformers (= transformers'
 own greedy `generate` on the same weights; with eval.check_transformers), prompt_tokens, max_new_tokens, and for speculative
 methods the time split (draft_share, search_share, verify_share, accept_share, commit_share, other_share:
@@ -32,12 +33,14 @@ from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
 from weaver.engine import PHASES, SpecStats, speculative_generate
 from weaver.errors import WeaverError
 from weaver.eval.plots import write_figures
-from weaver.eval.results import PartialRun, append_rows, markdown_table, summarize, write_summary
+from weaver.eval.results import PartialRun, append_rows, markdown_table, read_rows, result_row, summarize, write_summary
+from weaver.eval.sglang_backend import measure_in_sglang
+from weaver.eval.transformers_reference import load_transformers_target, transformers_greedy
 from weaver.eval.tracking import log_eval_run, wandb_enabled
-from weaver.generate import generate, until_eos
+from weaver.generate import generate
 from weaver.io import writable_dir
 from weaver.models.config import check_context, is_count
-from weaver.pipeline import load_adapter_for, load_drafter_for, load_target_and_tokenizer, target_folder
+from weaver.pipeline import load_adapter_for, load_drafter_for, load_target_and_tokenizer
 
 Models = dict[str, Any]  # "target", whatever the selected methods need ("drafter", ...), "step_costs" (budget: auto)
 SHARES = (*(f"{phase}_share" for phase in PHASES), "other_share")  # the time split of a speculative row
@@ -178,33 +181,6 @@ def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]
     return costs[method]
 
 
-@torch.inference_mode()
-def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:
-    """transformers' own greedy decoding of each prompt (batch 1, no padding): the reference every greedy
-    method must reproduce token for token."""
-    from transformers import GenerationConfig
-
-    device = next(model.parameters()).device
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos or 0)
-    outputs = []
-    for prompt in tqdm(prompts, desc="transformers", leave=False):
-        ids = torch.tensor([prompt], device=device)
-        new = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, len(prompt):]
-        outputs.append(until_eos(new.tolist(), eos))
-    return outputs
-
-
-def load_transformers_target(cfg: DictConfig, like: torch.nn.Module):
-    """The target as transformers' own model class, on the same weights, device and dtype as ours."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    weight = like.embed.weight
-    model = AutoModelForCausalLM.from_pretrained(target_folder(cfg), dtype=weight.dtype, use_safetensors=True)
-    model = model.to(weight.device).eval()
-    model.generation_config = GenerationConfig()  # plain greedy: no repetition penalty etc. from the checkpoint
-    return model
-
-
 def warm_up(models: Models, cfg: DictConfig, token: int, runs: list[tuple[str, int | str]] | None = None) -> None:
     """A short decode of each kind outside the timed loops: first calls pay for allocation and compilation;
     with eval.compile, the verify graphs of every tree size the (method, budget) runs will verify (default:
@@ -226,6 +202,8 @@ def warm_up(models: Models, cfg: DictConfig, token: int, runs: list[tuple[str, i
 
 def check_names(cfg: DictConfig) -> None:
     """Refuse unknown methods and datasets, malformed budgets and seeds, before anything slow happens."""
+    if cfg.eval.backend not in BACKENDS:
+        raise WeaverError(f"eval.backend must be one of {list(BACKENDS)}, got {cfg.eval.backend!r}")
     unknown = [m for m in cfg.eval.methods if m not in METHODS] + [d for d in cfg.eval.datasets if d not in cfg.prompt_sets]
     if unknown:
         raise WeaverError(f"unknown method/dataset {unknown}; methods: {list(METHODS)}, datasets: {list(cfg.prompt_sets)}")
@@ -234,22 +212,6 @@ def check_names(cfg: DictConfig) -> None:
         raise WeaverError(f"eval.seed must be a whole number >= 0, got {cfg.eval.seed!r}")
     if "auto" in cfg.eval.budgets:
         check_candidates(list(cfg.eval.auto_budget.candidates))
-
-
-def result_row(cfg: DictConfig, dataset: str, method: str, budget: int | None, r: dict, ar: dict | None,
-               n_prompts: int, reference: list[list[int]] | None = None) -> dict:
-    e = cfg.eval
-    return {
-        "experiment": cfg.experiment, "dataset": dataset, "method": method, "budget": budget,
-        "temperature": e.temperature, "sampling": e.sampling if e.temperature > 0 else None,
-        "seed": e.seed if e.temperature > 0 else None, "tau": r["tau"], "tokens_per_s": r["tokens_per_s"],
-        "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"] if ar else None,
-        "n_prompts": n_prompts, "n_tokens": r["n_tokens"],
-        "greedy_match": r["outputs"] == ar["reference"] if ar and e.temperature == 0 else None,
-        "matches_transformers": r["outputs"] == reference if reference is not None else None,
-        "prompt_tokens": e.prompt_tokens, "max_new_tokens": e.max_new_tokens,
-        **{k: r[k] for k in (*SHARES, "mean_budget", "accept_hist") if k in r},
-    }
 
 
 def evaluate_dataset(cfg: DictConfig, dataset: str, prompts: list[list[int]], models: Models, eos: int | None,
@@ -274,30 +236,41 @@ def evaluate_dataset(cfg: DictConfig, dataset: str, prompts: list[list[int]], mo
             for (method, budget), r in results.items()]
 
 
-def evaluate(cfg: DictConfig) -> list[dict]:
-    """Measure cfg.eval's datasets x methods x budgets; append the rows, rebuild summaries and figures, log to W&B."""
-    check_names(cfg)
-    out_dir = writable_dir(Path(cfg.eval.out_dir or Path(cfg.paths.root) / cfg.experiment / "eval"))
-    prompt_sets = {name: load_prompt_set(cfg, name) for name in cfg.eval.datasets}  # hub errors before the model load
+def measure_in_weaver(cfg: DictConfig, prompt_sets: dict, results: Path, partial: PartialRun) -> list[dict]:
+    """Every dataset x method x budget through weaver's own engine; each dataset's rows appended to `results`
+    as soon as they are done (a crash keeps them)."""
     models, tokenizer = load_models(cfg)
     e = cfg.eval
     check_context(models["target"].cfg, e.prompt_tokens, e.max_new_tokens, "eval.prompt_tokens")
     warm_up(models, cfg, tokenizer.eos_token_id or 0)
     if e.check_transformers and e.temperature == 0:
-        models["transformers"] = load_transformers_target(cfg, models["target"])
+        weight = models["target"].embed.weight
+        models["transformers"] = load_transformers_target(cfg, weight.dtype, weight.device)
     n_runs = len(e.datasets) * sum(len(METHODS[m].budgets(cfg, models)) for m in e.methods)
-    partial = PartialRun(out_dir, OmegaConf.to_container(cfg, resolve=True))
-    if done := partial.done():
-        print(f"eval: resuming a killed run, {done} measurements already done ({partial.folder})")
-    rows, all_rows = [], []
+    rows = []
     with tqdm(total=n_runs, desc="eval") as bar:
         for name, rows_of_set in prompt_sets.items():
             prompts = encode_prompts(rows_of_set, tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts,
                                      template_kwargs(cfg))
             dataset_rows = evaluate_dataset(cfg, name, prompts, models, tokenizer.eos_token_id, partial, bar)
-            all_rows = append_rows(out_dir / "results.jsonl", dataset_rows)  # per dataset: a crash keeps what is done
+            append_rows(results, dataset_rows)
             rows += dataset_rows
-    summary = write_summary(out_dir, all_rows)
+    return rows
+
+
+BACKENDS = {"torch": measure_in_weaver, "sglang": measure_in_sglang}  # eval.backend -> how rows are measured
+
+
+def evaluate(cfg: DictConfig) -> list[dict]:
+    """Measure cfg.eval's datasets x methods x budgets; append the rows, rebuild summaries and figures, log to W&B."""
+    check_names(cfg)
+    out_dir = writable_dir(Path(cfg.eval.out_dir or Path(cfg.paths.root) / cfg.experiment / "eval"))
+    prompt_sets = {name: load_prompt_set(cfg, name) for name in cfg.eval.datasets}  # hub errors before the model load
+    partial = PartialRun(out_dir, OmegaConf.to_container(cfg, resolve=True))
+    if done := partial.done():
+        print(f"eval: resuming a killed run, {done} measurements already done ({partial.folder})")
+    rows = BACKENDS[cfg.eval.backend](cfg, prompt_sets, out_dir / "results.jsonl", partial)
+    summary = write_summary(out_dir, read_rows(out_dir / "results.jsonl"))
     figures = write_figures([r for r in summary if r["experiment"] == cfg.experiment], out_dir, cfg.experiment)
     run_summary = summarize(rows)
     print(markdown_table(run_summary))
