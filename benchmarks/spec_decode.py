@@ -27,7 +27,7 @@ from hydra import compose, initialize_config_dir
 from tqdm.auto import tqdm
 
 from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
-from weaver.eval.run import METHODS, SHARES, load_models, run_ar, run_speculative, warm_up
+from weaver.eval.run import SHARES, load_models, method_spec, run_ar, run_speculative, warm_up
 from weaver.io import atomic_write_text
 from weaver.pipeline import ROOT_CONF
 
@@ -56,7 +56,7 @@ def main() -> None:
         cfg = compose("eval", overrides=[*overrides, f"eval.methods=[ar,{','.join(methods)}]"])
     e = cfg.eval
     models, tokenizer = load_models(cfg)
-    runs = ({f"{m}:{b}": (m, b) for m in methods for b in METHODS[m].budgets(cfg, models)} if args.best
+    runs = ({f"{m}:{b}": (m, b) for m in methods for b in method_spec(m).budgets(cfg, models)} if args.best
             else {label: parse_run(label) for label in args.runs})
     eos = tokenizer.eos_token_id
     warm_up(models, cfg, eos or 0, list(runs.values()))

@@ -10,17 +10,17 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-import weaver.engine
 
 from hf_tiny import VOCAB
-from weaver.builders import ddtree, weaver_tree
+from weaver.builders import SearchConfig, StepInputs, ddtree, weaver_tree
 from weaver.engine import speculative_generate
 from weaver.errors import WeaverError
 from weaver.generate import generate
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, load_adapter, save_adapter
-from weaver.models.drafter import Drafter
+from weaver.models.drafter import Draft, Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
 from weaver.train.target import init_weights
+from weaver.verify import SAMPLING_RULES, SamplingRule
 
 BLOCK = 6
 
@@ -51,6 +51,11 @@ def step_inputs(target, drafter, prompt: list[int]):
     return draft.logits[0], draft.hidden[0], out.hidden[0, -1], anchor
 
 
+def as_step(target, adapter, logits, hidden, target_hidden, anchor: int) -> StepInputs:
+    """`step_inputs`' values as the builders' StepInputs."""
+    return StepInputs(anchor, Draft(logits[None], hidden[None]), target_hidden, target, adapter=adapter)
+
+
 def path_alone_logprobs(adapter, target, logits, hidden, target_hidden, path: list[int]) -> torch.Tensor:
     """The adapter's distribution for the children of the last node of `path`, scoring the path as a chain."""
     D = len(path)
@@ -69,7 +74,7 @@ def test_incremental_tree_scoring_equals_each_path_alone(target, drafter, per_ca
     torch.manual_seed(per_call)
     adapter = make_adapter(target)
     logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [5, 9, 3, 7])
-    proposal = weaver_tree(anchor, budget, adapter, target, logits, hidden, target_hidden, 3, per_call)
+    proposal = weaver_tree(as_step(target, adapter, logits, hidden, target_hidden, anchor), SearchConfig(budget, 3, per_call))
     tree = proposal.tree
     assert len(tree) == budget + 1 and len(proposal.child_probs) > 2
     for node, probs in proposal.child_probs.items():
@@ -85,8 +90,8 @@ def test_compiled_search_step_builds_the_eager_tree(target, drafter):
     adapter = make_adapter(target)
     logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [5, 9, 3, 7])
     for budget, per_call in ((6, 1), (13, 3)):
-        eager, compiled = (weaver_tree(anchor, budget, adapter, target, logits, hidden, target_hidden, 3, per_call,
-                                       compiled=flag) for flag in (False, True))
+        step = as_step(target, adapter, logits, hidden, target_hidden, anchor)
+        eager, compiled = (weaver_tree(step, SearchConfig(budget, 3, per_call, compiled=flag)) for flag in (False, True))
         assert eager.tree.tokens.tolist() == compiled.tree.tokens.tolist()
         assert eager.tree.parents.tolist() == compiled.tree.parents.tolist()
         for node, probs in eager.child_probs.items():
@@ -99,7 +104,7 @@ def test_untrained_adapter_builds_the_ddtree(target, drafter):
     adapter = make_adapter(target, pool_size=VOCAB, trained=False)
     logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [4, 8, 15, 16])
     for budget in (5, 17):
-        ours = weaver_tree(anchor, budget, adapter, target, logits, hidden, target_hidden, budget, 4).tree
+        ours = weaver_tree(as_step(target, adapter, logits, hidden, target_hidden, anchor), SearchConfig(budget, budget, 4)).tree
         reference = ddtree(anchor, logits, budget).tree
         assert ours.tokens.tolist() == reference.tokens.tolist()
         assert ours.parents.tolist() == reference.parents.tolist()
@@ -190,7 +195,7 @@ def chi_square_pvalue(samples: torch.Tensor, joint: torch.Tensor) -> float:
     return float(chi2.sf(stat, len(expected) - 1))
 
 
-def accept_every_draft(tree, logits, child_probs, temperature, generator):
+def accept_every_draft(tree, logits, proposal, temperature, generator):
     """Broken on purpose: follow the first child to a leaf, then sample the bonus from the target."""
     leaf = 0
     while tree.children(leaf):
@@ -210,6 +215,6 @@ def test_weaver_sampling_reproduces_the_target_distribution(target, drafter, sam
 def test_an_accept_everything_rule_fails_the_same_test(target, drafter, monkeypatch):
     torch.manual_seed(3)
     adapter = make_adapter(target, pool_size=VOCAB)
-    monkeypatch.setattr(weaver.engine, "recursive_rejection_tree", accept_every_draft)
+    monkeypatch.setitem(SAMPLING_RULES, "rrs", SamplingRule(accept_every_draft, draws_trees=True))
     samples = first_two_tokens(target, drafter, adapter, "rrs", TRIALS // 2)
     assert chi_square_pvalue(samples, target_joint(target)) < 1e-6

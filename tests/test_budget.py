@@ -37,17 +37,16 @@ def test_a_smaller_budget_accepts_the_prefix_of_nodes_within_it(seed):
 def test_anytime_weaver_trees_are_prefixes_of_larger_ones(target):
     """With the size-driven expansion schedule `budget: auto` uses, batched adapter calls keep the prefix
     property: the tree of budget b is the first b nodes of the tree of budget 40."""
-    from test_adapter import make_adapter, step_inputs
-    from weaver.builders import weaver_tree
-    from weaver.models.adapter import expansion_batch
+    from test_adapter import as_step, make_adapter, step_inputs
+    from weaver.builders import SearchConfig, weaver_tree
 
     torch.manual_seed(3)
     drafter = Drafter(drafter_config(new_drafter_config(target, 1, 8, 2, 2))).eval()
     adapter = make_adapter(target)
-    logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [5, 9, 3, 7])
-    big = weaver_tree(anchor, 40, adapter, target, logits, hidden, target_hidden, 4, expansion_batch).tree
+    step = as_step(target, adapter, *step_inputs(target, drafter, [5, 9, 3, 7]))
+    big = weaver_tree(step, SearchConfig(40, 4, anytime=True)).tree
     for b in (1, 5, 16, 17, 23, 33):
-        small = weaver_tree(anchor, b, adapter, target, logits, hidden, target_hidden, 4, expansion_batch).tree
+        small = weaver_tree(step, SearchConfig(b, 4, anytime=True)).tree
         assert torch.equal(small.tokens, big.tokens[: b + 1]) and torch.equal(small.parents, big.parents[: b + 1])
 
 

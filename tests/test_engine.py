@@ -147,3 +147,26 @@ def test_compiled_verify_greedy_equals_autoregressive(target, prompts, greedy, m
         if len(prompt) >= 2:
             assert counters["stats"]["unique_graphs"] == graphs, f"recompiled for a prompt of {len(prompt)} tokens"
     assert corrupted > 0 and stats.tau > 1.5
+
+
+def test_a_method_added_by_one_registry_entry_is_decoded_and_evaluated(target, prompts, greedy, monkeypatch):
+    """The README's recipe for a new tree method: one builder and one `TREE_METHODS` entry. The engine decodes
+    with it (greedy output = AR, drafts accepted) and eval.py accepts it at the config's budgets."""
+    from omegaconf import OmegaConf
+
+    from weaver.builders import TREE_METHODS, TreeMethod, marginal_tree, vocabulary_limit
+    from weaver.eval.run import check_names, method_spec
+
+    def sharpened(step, search):
+        return marginal_tree(step.anchor, 2 * step.draft.logits[0], search.budget, search.width, search.generator,
+                             search.temperature)
+
+    monkeypatch.setitem(TREE_METHODS, "sharpened", TreeMethod(sharpened, vocabulary_limit))
+    prompt, ref = prompts[2], greedy[2][:NEW]
+    out, stats = speculative_generate(target, OracleDrafter(target, prompt + greedy[2], 5), prompt, NEW,
+                                      method="sharpened", budget=6)
+    assert out == ref and sum(stats.accepted) > 0
+    cfg = OmegaConf.create({"eval": {"methods": ["ar", "sharpened"], "datasets": [], "budgets": [4, 8], "seed": 0,
+                                     "backend": "torch"}, "prompt_sets": {}})
+    check_names(cfg)
+    assert method_spec("sharpened").budgets(cfg, {}) == [4, 8] and method_spec("sharpened").needs == ("drafter",)

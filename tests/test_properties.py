@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from cache_checks import ATOL, assert_cache_matches, assert_context_matches, cache_drift, context_drift, prefill, \
     verify_and_commit
 from hf_tiny import VOCAB
-from test_adapter import BLOCK, make_adapter, step_inputs
+from test_adapter import BLOCK, as_step, make_adapter, step_inputs
 from test_engine import random_drafter
-from weaver.builders import chain_tree, ddtree, max_tree_nodes, oracle_tree, weaver_tree
-from weaver.models.drafter import Drafter
+from weaver.builders import SearchConfig, StepInputs, chain_tree, ddtree, max_tree_nodes, oracle_tree, weaver_tree
+from weaver.models.drafter import Draft, Drafter
 from weaver.search import Proposal
 from weaver.tree import Tree
 from weaver.verify import greedy_tree, recursive_rejection_tree, target_only_tree
@@ -206,8 +206,8 @@ def test_weaver_builder_makes_well_formed_trees(target, drafter, adapter, prompt
     """weaver_tree over a random drafter's block and a random adapter: well-formed trees within the budget;
     greedy ones hold min(budget, trees of depth D with `width` children per node)."""
     logits, hidden, target_hidden, anchor = step_inputs(target, drafter, prompt)
-    proposal = weaver_tree(anchor, budget, adapter, target, logits, hidden, target_hidden, width, per_call,
-                           generator_or_none(sampled, seed), temperature)
+    proposal = weaver_tree(as_step(target, adapter, logits, hidden, target_hidden, anchor),
+                           SearchConfig(budget, width, per_call, generator_or_none(sampled, seed), temperature))
     depth = len(logits)
     assert_well_formed(proposal, budget, depth, VOCAB, None if sampled else max_tree_nodes(depth, width))
 
@@ -223,8 +223,10 @@ def test_oracle_builder_makes_well_formed_trees_and_leaves_the_cache(target, pro
     cache = target.new_cache(1, len(prompt) + budget + 1)
     target(torch.tensor([prompt]), cache, logits_to_keep=0)
     before = copy.deepcopy(cache)
-    proposal = oracle_tree(prompt[-1], budget, max_depth, target, cache, generator_or_none(sampled, seed),
-                           temperature, per_call)
+    blank = Draft(torch.zeros(1, max_depth, VOCAB), torch.zeros(1, max_depth, target.cfg.hidden_size))  # depth only
+    proposal = oracle_tree(StepInputs(prompt[-1], blank, torch.zeros(target.cfg.hidden_size), target, cache),
+                           SearchConfig(budget, nodes_per_call=per_call, generator=generator_or_none(sampled, seed),
+                                        temperature=temperature))
     capacity = max_tree_nodes(max_depth, VOCAB)
     assert_well_formed(proposal, budget, max_depth, VOCAB, None if sampled else capacity)
     assert assert_cache_matches(cache, before) == 0.0

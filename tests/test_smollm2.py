@@ -18,13 +18,13 @@ from scipy.stats import chi2
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-import weaver.engine
 from conftest import run_script
 from test_adapter import accept_every_draft
 from weaver.engine import speculative_generate
 from weaver.eval.results import read_rows
 from weaver.generate import generate
 from weaver.pipeline import ROOT_CONF, gguf_as_safetensors, load_target_and_tokenizer
+from weaver.verify import SAMPLING_RULES, SamplingRule
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_sampling_on_smollm2_reproduces_the_target_distribution(sampled_models, 
 @pytest.mark.slow
 def test_an_accept_everything_rule_fails_the_smollm2_test(sampled_models, monkeypatch):
     models, prompt = sampled_models
-    monkeypatch.setattr(weaver.engine, "recursive_rejection_tree", accept_every_draft)
+    monkeypatch.setitem(SAMPLING_RULES, "rrs", SamplingRule(accept_every_draft, draws_trees=True))
     samples, _ = first_tokens(models, prompt, "weaver", 500)
     pvalue = chi_square_pvalue(samples, likely_continuations(models["target"], prompt, N_TOKENS, MIN_EXPECTED / 500))
     print(f"accept-everything rule: p = {pvalue:.1e}")

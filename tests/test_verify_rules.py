@@ -18,7 +18,7 @@ import torch
 from weaver.builders import marginal_logprobs
 from weaver.search import best_first_tree
 from weaver.tree import Tree
-from weaver.verify import greedy_chain, recursive_rejection_tree
+from weaver.verify import greedy_tree, recursive_rejection_tree
 
 V = 4  # vocabulary of the synthetic target
 CHAIN = 3  # drafts per step
@@ -30,6 +30,11 @@ CHI2_CRIT_DF15 = 37.697
 
 # --- greedy -------------------------------------------------------------------------------------
 
+
+
+def greedy_chain(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
+    """(accepted drafts, bonus token) for the chain [anchor, d_1 .. d_{T-1}]: greedy_tree on a chain."""
+    return greedy_tree(Tree.chain(torch.cat([drafts.new_zeros(1), drafts])), target_logits)
 
 def peaked_logits(tokens: list[int], vocab: int = 11) -> torch.Tensor:
     """Row i has its argmax at tokens[i] (other entries random but lower)."""

@@ -36,6 +36,38 @@ if TYPE_CHECKING:
     from weaver.models.target import TargetModel
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What one step's tree builders may read."""
+
+    anchor: int  # the last committed token: node 0 of the tree
+    draft: Draft  # the drafter's block (batch row 0 is used)
+    target_hidden: torch.Tensor  # (H,) target's final-norm state of the token before the anchor
+    target: TargetModel  # (or what stands in for it: its embedding, lm_head and sizes; the Weaver adapter reads them)
+    cache: ModelCache | None = None  # the target's committed cache (only the oracle reads it: it verifies paths)
+    adapter: WeaverAdapter | None = None  # the Weaver adapter (method weaver)
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How a step's tree is grown: `budget` draft nodes; children drawn without replacement when a generator
+    is given, else greedy; `width` children per node of the Weaver search; `nodes_per_call` nodes the Weaver
+    and oracle searches expand per adapter / target call (default ceil(budget / 16), or with `anytime`
+    ceil(tree size so far / 16), so that any budget's tree is a prefix of a larger one's: `budget: auto`);
+    `compiled`: the Weaver search's adapter step through torch.compile."""
+
+    budget: int
+    width: int = 8
+    nodes_per_call: int | None = None
+    generator: torch.Generator | None = None
+    temperature: float = 1.0
+    compiled: bool = False
+    anytime: bool = False
+
+    def per_call(self) -> int | Callable[[int], int]:
+        return self.nodes_per_call or (expansion_batch if self.anytime else expansion_batch(self.budget))
+
+
 def marginal_logprobs(draft_logits: torch.Tensor, temperature: float = 1.0, keep: int | None = None) -> ChildLogProbs:
     """Children of a node at depth d are scored by the drafter's marginal at block position d + 1.
 
@@ -115,46 +147,47 @@ def best_paths(anchor: int, draft_logits: torch.Tensor, budget: int, temperature
     return Proposal(tree, [(expanded, log_marginals[node_depths[expanded]], None)], draft_logits.shape[-1])
 
 
-def oracle_tree(anchor: int, budget: int, max_depth: int, target, cache, generator: torch.Generator | None = None,
-                temperature: float = 1.0, nodes_per_call: int | Callable[[int], int] = 1) -> Proposal:
+def oracle_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     """Best-first over the target's own conditionals: each call verifies the tree grown so far in one
-    target pass (the committed cache is untouched) and reads the new nodes' next-token distributions."""
-    device = target.embed.weight.device
+    target pass (the committed cache, `step.cache`, is untouched) and reads the new nodes' next-token
+    distributions."""
+    target = step.target
 
     def logprobs(nodes: torch.Tensor, grown: Grown) -> torch.Tensor:
-        logits = target.verify(grown.tree(), cache)[0].logits[0, nodes]
-        return (logits.float() / temperature).log_softmax(-1)
+        logits = target.verify(grown.tree(), step.cache)[0].logits[0, nodes]
+        return (logits.float() / search.temperature).log_softmax(-1)
 
-    return best_first_tree(anchor, budget, max_depth, logprobs, min(budget, target.cfg.vocab_size),
-                           nodes_per_call, generator, device=device)
+    return best_first_tree(step.anchor, search.budget, step.draft.logits.shape[1], logprobs,
+                           min(search.budget, target.cfg.vocab_size), search.per_call(), search.generator,
+                           device=target.embed.weight.device)
 
 
-def weaver_tree(
-    anchor: int, budget: int, adapter: WeaverAdapter, target, draft_logits: torch.Tensor, draft_hidden: torch.Tensor,
-    target_hidden: torch.Tensor, width: int, nodes_per_call: int | Callable[[int], int],
-    generator: torch.Generator | None = None, temperature: float = 1.0, compiled: bool = False,
-) -> Proposal:
+def weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     """Best-first over the adapter's path-conditional distributions on the drafter's top-M pools.
 
-    draft_logits/draft_hidden (D, V)/(D, H) from `Drafter.draft`; target_hidden (H,) the target's
-    final-norm state of the token before the anchor. Each adapter call scores `nodes_per_call` new
-    nodes, which attend to the prefix memory and to their ancestors (scored in earlier calls); compiled:
-    through the compiled adapter step (`WeaverAdapter.scorer`).
+    The drafter's block (`step.draft`, batch row 0) and the target's final-norm state of the token before
+    the anchor (`step.target_hidden`) make the adapter's prefix memory. Each adapter call scores
+    `search.per_call()` new nodes, which attend to the prefix memory and to their ancestors (scored in
+    earlier calls); `search.compiled`: through the compiled adapter step (`WeaverAdapter.scorer`).
     """
+    adapter, target, draft_logits = step.adapter, step.target, step.draft.logits[0]
+    if adapter is None:
+        raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
     pool_logits, pool_tokens = draft_pools(draft_logits, adapter.cfg.pool_size)
     candidates = adapter.candidate_table(target)[pool_tokens]  # (D, M, r), constant for this step
     # adapter-cache slot of a node = its index in the tree, so a node's mask row is its ancestor row
-    cache = adapter.start(adapter.prefix(target_hidden[None], draft_hidden[None]), capacity=budget + 1)
-    score = adapter.scorer(compiled)
+    prefix = adapter.prefix(step.target_hidden[None], step.draft.hidden[0][None])
+    cache = adapter.start(prefix, capacity=search.budget + 1)
+    score = adapter.scorer(search.compiled)
 
     def logprobs(nodes: torch.Tensor, grown: Grown) -> tuple[torch.Tensor, torch.Tensor]:
         depths = grown.depths[nodes]
         scores = score(target, grown.tokens[nodes], depths, grown.ancestors[nodes], nodes, cache, pool_logits[depths],
                        candidates[depths])
-        return (scores / temperature).log_softmax(-1), pool_tokens[depths]
+        return (scores / search.temperature).log_softmax(-1), pool_tokens[depths]
 
-    return best_first_tree(anchor, budget, len(draft_logits), logprobs, min(width, adapter.cfg.pool_size),
-                           nodes_per_call, generator, vocab_size=draft_logits.shape[-1], device=candidates.device)
+    return best_first_tree(step.anchor, search.budget, len(draft_logits), logprobs, min(search.width, adapter.cfg.pool_size),
+                           search.per_call(), search.generator, vocab_size=draft_logits.shape[-1], device=candidates.device)
 
 
 def max_tree_nodes(max_depth: int, branching: int) -> int:
@@ -169,23 +202,25 @@ def max_tree_nodes(max_depth: int, branching: int) -> int:
     return total
 
 
-def budget_limit(method: str, max_depth: int, vocab_size: int, children: int, pool_size: int | None = None) -> tuple[int, str]:
-    """(most draft nodes a step's tree can hold, why) for a method; no larger budget can be filled.
+def chain_limit(max_depth: int, vocab_size: int, width: int, pool_size: int | None) -> tuple[int, str]:
+    """A chain holds one node per drafted position: the drafter's block (block_size - 1 = max_depth)."""
+    return max_depth, f"one node per drafted position, block_size - 1 = {max_depth}"
 
-    chain: one node per depth, so the drafter's block (block_size - 1 = max_depth). ddtree and oracle:
-    every path of at most max_depth tokens of the vocabulary. weaver: `children` per node (at most the
-    adapter's pool)."""
-    if method == "chain":
-        return max_depth, f"one node per drafted position, block_size - 1 = {max_depth}"
-    if method == "weaver":
-        branching = min(children, pool_size or children)
-        return max_tree_nodes(max_depth, branching), f"depth {max_depth} x {branching} children per node"
+
+def vocabulary_limit(max_depth: int, vocab_size: int, width: int, pool_size: int | None) -> tuple[int, str]:
+    """Every path of at most max_depth tokens of the vocabulary (DDTree, the oracle)."""
     return max_tree_nodes(max_depth, vocab_size), f"depth {max_depth} x vocabulary {vocab_size}"
+
+
+def search_width_limit(max_depth: int, vocab_size: int, width: int, pool_size: int | None) -> tuple[int, str]:
+    """`width` children per node, at most the adapter's pool (the Weaver search)."""
+    branching = min(width, pool_size or width)
+    return max_tree_nodes(max_depth, branching), f"depth {max_depth} x {branching} children per node"
 
 
 def check_budget(budget: int, limit: int | None = None, method: str = "tree", why: str = "") -> None:
     """A step's budget: a whole number of draft nodes, at least 1, and (given `limit`) no more than the
-    method's tree can hold (`budget_limit`)."""
+    method's tree can hold (`TreeMethod.limit`)."""
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
         raise WeaverError(f"tree budget must be a whole number of draft nodes (>= 1) or a BudgetPlanner, got {budget!r}")
     if budget < 1:
@@ -194,40 +229,38 @@ def check_budget(budget: int, limit: int | None = None, method: str = "tree", wh
         raise WeaverError(f"budget {budget} is more than a {method} tree can hold: at most {limit} draft nodes ({why})")
 
 
-TREE_METHODS = ("chain", "ddtree", "weaver", "oracle")
+@dataclass(frozen=True)
+class TreeMethod:
+    """One tree method: its builder, the most draft nodes its tree can hold (max_depth, vocab_size, width,
+    adapter pool) -> (limit, why), the models it needs besides the target and the drafter, and whether the
+    eval measures it at the drafter's whole block instead of at each budget (the chain)."""
+
+    build: Callable[[StepInputs, SearchConfig], Proposal]
+    limit: Callable[[int, int, int, int | None], tuple[int, str]]
+    needs: tuple[str, ...] = ()
+    whole_block: bool = False
 
 
-@dataclass
-class StepInputs:
-    """What one step's tree builders may read."""
+# To add a method: a builder (StepInputs, SearchConfig) -> Proposal and one entry here; the engine, the
+# budget checks, eval.py (`eval.methods`) and the SGLang worker read this table.
+TREE_METHODS: dict[str, TreeMethod] = {
+    "chain": TreeMethod(lambda step, search: chain_tree(step.anchor, step.draft.logits[0], search.budget,
+                                                        search.generator, search.temperature),
+                        chain_limit, whole_block=True),
+    "ddtree": TreeMethod(lambda step, search: ddtree(step.anchor, step.draft.logits[0], search.budget, search.generator,
+                                                     search.temperature),
+                         vocabulary_limit),
+    "weaver": TreeMethod(weaver_tree, search_width_limit, needs=("adapter",)),
+    "oracle": TreeMethod(oracle_tree, vocabulary_limit),
+}
 
-    anchor: int
-    draft: Draft  # the drafter's block (batch row 0 is used)
-    target_hidden: torch.Tensor  # (H,) target's final-norm state of the token before the anchor
-    cache: ModelCache | None = None  # the target's committed cache (only the oracle reads it: it verifies paths)
+
+def tree_method(name: str) -> TreeMethod:
+    if name not in TREE_METHODS:
+        raise WeaverError(f"unknown tree method '{name}'; available: {', '.join(TREE_METHODS)}")
+    return TREE_METHODS[name]
 
 
-def propose(
-    method: str, step: StepInputs, budget: int, target: TargetModel, adapter: WeaverAdapter | None = None,
-    width: int = 8, nodes_per_call: int | None = None, generator: torch.Generator | None = None,
-    temperature: float = 1.0, compiled: bool = False, anytime: bool = False,
-) -> Proposal:
-    """The draft tree of one step (the builders above); drawn without replacement when a generator is
-    given, else greedy. width: the Weaver search's children per node; nodes_per_call: nodes the Weaver
-    and oracle searches expand per adapter / target call (default ceil(budget / 16), or with `anytime`
-    ceil(tree size so far / 16), so that any budget's tree is a prefix of a larger one's: `budget: auto`);
-    compiled: the Weaver search's adapter step through torch.compile."""
-    logits = step.draft.logits[0]
-    if method == "chain":
-        return chain_tree(step.anchor, logits, budget, generator, temperature)
-    if method == "ddtree":
-        return ddtree(step.anchor, logits, budget, generator, temperature)
-    per_call = nodes_per_call or (expansion_batch if anytime else expansion_batch(budget))
-    if method == "weaver":
-        if adapter is None:
-            raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
-        return weaver_tree(step.anchor, budget, adapter, target, logits, step.draft.hidden[0], step.target_hidden,
-                           width, per_call, generator, temperature, compiled)
-    if method == "oracle":
-        return oracle_tree(step.anchor, budget, len(logits), target, step.cache, generator, temperature, per_call)
-    raise WeaverError(f"unknown tree method '{method}'; available: {', '.join(TREE_METHODS)}")
+def propose(method: str, step: StepInputs, search: SearchConfig) -> Proposal:
+    """The draft tree of one step by `method` (`TREE_METHODS`)."""
+    return tree_method(method).build(step, search)

@@ -15,13 +15,13 @@ import torch
 
 from weaver.budget import BudgetPlanner
 from weaver.errors import WeaverError
-from weaver.builders import TREE_METHODS, StepInputs, budget_limit, check_budget, propose
+from weaver.builders import SearchConfig, StepInputs, check_budget, propose, tree_method
 from weaver.generate import sample_next, until_eos
 from weaver.models.adapter import WeaverAdapter, check_adapter_fits
 from weaver.models.config import check_prompt, is_count
 from weaver.models.drafter import Drafter, check_pair
 from weaver.models.target import TargetModel, verify_size
-from weaver.verify import check_finite, greedy_tree, recursive_rejection_tree, target_only_tree
+from weaver.verify import SAMPLING_RULES, check_finite, greedy_tree
 
 # Where a step's time goes: the drafter's block, the tree search (the adapter's calls for Weaver), the
 # target's verify pass, the acceptance rule, and committing the path (target cache + drafter context).
@@ -61,7 +61,6 @@ class PhaseClock:
         self.last = now
 
 
-SAMPLING_RULES = ("rrs", "target_only")
 DEFAULT_WIDTH = 8  # the Weaver search's children per node when none is given (at most the adapter's pool)
 
 
@@ -72,8 +71,7 @@ def check_request(
 ) -> int:
     """Refuse a bad speculative request before any model runs, with one clear message; returns the largest
     budget a step may take. O(len(prompt)) on the host."""
-    if method not in TREE_METHODS:
-        raise WeaverError(f"unknown tree method '{method}'; available: {', '.join(TREE_METHODS)}")
+    kind = tree_method(method)
     if sampling not in SAMPLING_RULES:
         raise WeaverError(f"unknown sampling rule '{sampling}'; available: {', '.join(SAMPLING_RULES)}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
@@ -87,15 +85,15 @@ def check_request(
         raise WeaverError(f"weaver.search.nodes_per_call must be a whole number >= 1 or null, got {nodes_per_call!r}")
     depth = drafter.cfg.block_size - 1
     pool = None
-    if method == "weaver":
+    if "adapter" in kind.needs:
         if adapter is None:
-            raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
+            raise WeaverError(f"method '{method}' needs a trained adapter (stage `weaver` of train.py)")
         check_adapter_fits(adapter.cfg, target, depth)
         pool = adapter.cfg.pool_size
         if width > pool:
             raise WeaverError(f"weaver.search.children={width} is more than the adapter's pool of {pool} candidates "
                               f"per position (weaver.pool_size): at most {pool}")
-    limit, why = budget_limit(method, depth, target.cfg.vocab_size, width, pool)
+    limit, why = kind.limit(depth, target.cfg.vocab_size, width, pool)
     if isinstance(budget, BudgetPlanner):
         for candidate in budget.candidates:
             check_budget(candidate, limit, method, why)
@@ -152,7 +150,9 @@ def speculative_generate(
     check_finite(out.logits, "the target's logits", f"at the prefill ({len(prompt)} prompt tokens)")
     drafter.extend_context(context, out.taps, torch.arange(len(prompt), device=device)[None])
     anchor, hidden = sample_next(out.logits[:, -1], temperature, generator), out.hidden[0, -1]
-    drawn = temperature > 0 and sampling == "rrs"
+    rule = SAMPLING_RULES[sampling] if temperature > 0 else None  # None: greedy acceptance
+    drawn = rule is not None and rule.draws_trees
+    scored_by_adapter = "adapter" in tree_method(method).needs
     new, stats = [int(anchor)], SpecStats()
     clock = PhaseClock(stats.seconds, device)
     while len(new) < max_new_tokens and new[-1] != eos_token_id:
@@ -164,11 +164,11 @@ def speculative_generate(
         draft = drafter.draft(target, context, anchor, cache.next_position, max_depth=step_budget)
         check_finite(draft.logits, "the drafter's logits", f"at speculative step {step}")
         clock.lap("draft")
-        proposal = propose(method, StepInputs(int(anchor), draft, hidden, cache), step_budget, target, adapter, width,
-                           nodes_per_call, generator if drawn else None, temperature if drawn else 1.0, compiled,
-                           anytime=planner is not None)
+        proposal = propose(method, StepInputs(int(anchor), draft, hidden, target, cache, adapter), SearchConfig(
+            step_budget, width, nodes_per_call, generator if drawn else None, temperature if drawn else 1.0, compiled,
+            anytime=planner is not None))
         tree = proposal.tree
-        if method == "weaver":
+        if scored_by_adapter:
             check_finite(torch.cat([lp.flatten() for _, lp, _ in proposal.expansions]), "the Weaver adapter's scores",
                          f"at speculative step {step}", nan_only=True)
         clock.lap("search")
@@ -177,12 +177,10 @@ def speculative_generate(
         logits = verified.logits[0]
         check_finite(logits, "the target's logits", f"at speculative step {step} (verify of {len(tree)} tree nodes)")
         clock.lap("verify")
-        if temperature <= 0:
+        if rule is None:
             leaf, bonus = greedy_tree(tree, logits)
-        elif drawn:
-            leaf, bonus = recursive_rejection_tree(tree, logits, proposal.child_probs, temperature, generator)
         else:
-            leaf, bonus = target_only_tree(tree, logits, temperature, generator)
+            leaf, bonus = rule.accept(tree, logits, proposal, temperature, generator)
         path = tree.path_to(leaf)
         clock.lap("accept")
         target.commit(cache, pending, leaf=leaf)

@@ -7,10 +7,17 @@ target's distribution for the token after node i, given the committed context an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from weaver.errors import WeaverError
 from weaver.tree import Tree
+
+if TYPE_CHECKING:
+    from weaver.search import Proposal
 
 
 def check_finite(values: torch.Tensor, what: str, where: str, nan_only: bool = False) -> None:
@@ -61,11 +68,6 @@ def target_only_tree(
         node = child
 
 
-def greedy_chain(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
-    """(accepted drafts, bonus token) for the chain [anchor, d_1 .. d_{T-1}]: greedy_tree on a chain."""
-    return greedy_tree(Tree.chain(torch.cat([drafts.new_zeros(1), drafts])), target_logits)
-
-
 def recursive_rejection_tree(
     tree: Tree, target_logits: torch.Tensor, child_probs: dict[int, torch.Tensor], temperature: float,
     generator: torch.Generator | None = None,
@@ -96,3 +98,22 @@ def recursive_rejection_tree(
             q = q / q.sum() if q.sum() > 0 else q
         else:
             return node, int(torch.multinomial(p, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class SamplingRule:
+    """A lossless acceptance rule for temperature > 0: accept(tree, target logits, the step's Proposal,
+    temperature, generator) -> (leaf, next token); `draws_trees`: the builders draw the tree's children
+    without replacement from the draft distributions (else they build the greedy tree)."""
+
+    accept: Callable[[Tree, torch.Tensor, Proposal, float, torch.Generator | None], tuple[int, int]]
+    draws_trees: bool
+
+
+# To add a rule: one entry here (`eval.sampling` and `speculative_generate(sampling=...)` read this table).
+SAMPLING_RULES: dict[str, SamplingRule] = {
+    "rrs": SamplingRule(lambda tree, logits, proposal, temperature, generator: recursive_rejection_tree(
+        tree, logits, proposal.child_probs, temperature, generator), draws_trees=True),
+    "target_only": SamplingRule(lambda tree, logits, proposal, temperature, generator: target_only_tree(
+        tree, logits, temperature, generator), draws_trees=False),
+}

@@ -28,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from weaver.builders import TREE_METHODS
 from weaver.budget import BudgetPlanner, check_budgets, check_candidates, measure_step_costs
 from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
 from weaver.engine import PHASES, SpecStats, speculative_generate
@@ -56,18 +57,25 @@ def _eval_budgets(cfg: DictConfig, models: Models) -> list[int | str | None]:
     return list(cfg.eval.budgets)
 
 
-def _chain_budgets(cfg: DictConfig, models: Models) -> list[int | str]:
-    """The whole block (DFlash), and `auto` (the chain's length chosen per step) when the budgets ask for it."""
+def _whole_block_budgets(cfg: DictConfig, models: Models) -> list[int | str]:
+    """The whole block (DFlash's chain), and `auto` (the tree's size chosen per step) when the budgets ask for it."""
     return [models["drafter"].cfg.block_size - 1] + (["auto"] if "auto" in cfg.eval.budgets else [])
 
 
-METHODS: dict[str, Method] = {
-    "ar": Method((), lambda cfg, models: [None]),
-    "chain": Method(("drafter",), _chain_budgets),
-    "ddtree": Method(("drafter",), _eval_budgets),
-    "weaver": Method(("drafter", "adapter"), _eval_budgets),
-    "oracle": Method(("drafter",), _eval_budgets),
-}
+AR = Method((), lambda cfg, models: [None])
+
+
+def method_names() -> list[str]:
+    """AR and every tree method registered in `weaver.builders.TREE_METHODS` (read when called)."""
+    return ["ar", *TREE_METHODS]
+
+
+def method_spec(name: str) -> Method:
+    """What eval.py needs to know about a method: AR, or a tree method of the registry."""
+    if name == "ar":
+        return AR
+    kind = TREE_METHODS[name]
+    return Method(("drafter", *kind.needs), _whole_block_budgets if kind.whole_block else _eval_budgets)
 
 # How each extra model is loaded, in order (a later loader may use the models loaded before it). Models
 # a method needs beyond the drafter reach `speculative_generate` as keyword arguments of the same name.
@@ -81,7 +89,7 @@ def load_models(cfg: DictConfig) -> tuple[Models, Any]:
     """The target, the extra models the selected methods need, and the tokenizer."""
     target, tokenizer = load_target_and_tokenizer(cfg)
     models: Models = {"target": target}
-    needed = {name for method in cfg.eval.methods for name in METHODS[method].needs}
+    needed = {name for method in cfg.eval.methods for name in method_spec(method).needs}
     for name, load in MODEL_LOADERS.items():
         if name in needed:
             models[name] = load(cfg, models)
@@ -146,7 +154,7 @@ def _decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, gene
              max_new_tokens: int | None = None):
     """decode(prompt, budget) -> (tokens, SpecStats) with the method's models and the eval settings."""
     e = cfg.eval
-    extra = {name: models[name] for name in METHODS[method].needs if name != "drafter"}
+    extra = {name: models[name] for name in method_spec(method).needs if name != "drafter"}
     search = cfg.weaver.search
     options = dict(sampling=e.sampling, width=search.children, nodes_per_call=search.nodes_per_call, compiled=e.compile,
                    **extra)
@@ -157,7 +165,8 @@ def _decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, gene
 
 def auto_candidates(cfg: DictConfig, models: Models, method: str) -> list[int]:
     """The budgets `auto` chooses among for `method` (a chain's stop at its block)."""
-    return [b for b in cfg.eval.auto_budget.candidates if method != "chain" or b < models["drafter"].cfg.block_size]
+    whole_block = TREE_METHODS[method].whole_block
+    return [b for b in cfg.eval.auto_budget.candidates if not whole_block or b < models["drafter"].cfg.block_size]
 
 
 def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]:
@@ -189,7 +198,7 @@ def warm_up(models: Models, cfg: DictConfig, token: int, runs: list[tuple[str, i
         generate(models["target"], [[token] * 4], 4, compiled=cfg.eval.compile)
     if cfg.eval.compile and "drafter" in models:
         if runs is None:
-            runs = [(m, b) for m in cfg.eval.methods if m != "ar" for b in METHODS[m].budgets(cfg, models)]
+            runs = [(m, b) for m in cfg.eval.methods if m != "ar" for b in method_spec(m).budgets(cfg, models)]
         sizes = {b + 1 for method, budget in runs
                  for b in (auto_candidates(cfg, models, method) if budget == "auto" else [budget])}
         models["target"].compile_verify(sizes, models["drafter"].cfg.target_layer_ids)
@@ -204,9 +213,9 @@ def check_names(cfg: DictConfig) -> None:
     """Refuse unknown methods and datasets, malformed budgets and seeds, before anything slow happens."""
     if cfg.eval.backend not in BACKENDS:
         raise WeaverError(f"eval.backend must be one of {list(BACKENDS)}, got {cfg.eval.backend!r}")
-    unknown = [m for m in cfg.eval.methods if m not in METHODS] + [d for d in cfg.eval.datasets if d not in cfg.prompt_sets]
+    unknown = [m for m in cfg.eval.methods if m not in method_names()] + [d for d in cfg.eval.datasets if d not in cfg.prompt_sets]
     if unknown:
-        raise WeaverError(f"unknown method/dataset {unknown}; methods: {list(METHODS)}, datasets: {list(cfg.prompt_sets)}")
+        raise WeaverError(f"unknown method/dataset {unknown}; methods: {method_names()}, datasets: {list(cfg.prompt_sets)}")
     check_budgets(list(cfg.eval.budgets))
     if not is_count(cfg.eval.seed, 0):
         raise WeaverError(f"eval.seed must be a whole number >= 0, got {cfg.eval.seed!r}")
@@ -220,7 +229,7 @@ def evaluate_dataset(cfg: DictConfig, dataset: str, prompts: list[list[int]], mo
     measurement is kept in `partial` as soon as it is done, and taken from there when a killed run reruns."""
     results = {}
     for method in sorted(cfg.eval.methods, key=lambda m: m != "ar"):
-        for budget in METHODS[method].budgets(cfg, models):
+        for budget in method_spec(method).budgets(cfg, models):
             bar.set_postfix_str(f"{dataset} {method}" + (f"@{budget}" if budget is not None else ""))
             results[method, budget] = partial.get(dataset, method, budget) or partial.put(dataset, method, budget, (
                 run_ar(models, prompts, cfg, eos) if method == "ar" else run_speculative(models, prompts, cfg, eos, method, budget)
@@ -246,7 +255,7 @@ def measure_in_weaver(cfg: DictConfig, prompt_sets: dict, results: Path, partial
     if e.check_transformers and e.temperature == 0:
         weight = models["target"].embed.weight
         models["transformers"] = load_transformers_target(cfg, weight.dtype, weight.device)
-    n_runs = len(e.datasets) * sum(len(METHODS[m].budgets(cfg, models)) for m in e.methods)
+    n_runs = len(e.datasets) * sum(len(method_spec(m).budgets(cfg, models)) for m in e.methods)
     rows = []
     with tqdm(total=n_runs, desc="eval") as bar:
         for name, rows_of_set in prompt_sets.items():

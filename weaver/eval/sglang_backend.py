@@ -24,6 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from weaver.builders import TREE_METHODS
 from weaver.data.prompts import encode_prompts, template_kwargs
 from weaver.errors import WeaverError
 from weaver.eval.results import PartialRun, append_rows, result_row
@@ -73,8 +74,8 @@ def engine_runs(cfg: DictConfig, drafter: Path | None) -> list[Run]:
     for method in sorted(cfg.eval.methods, key=lambda m: m != "ar"):
         if method == "ar":
             runs.append(("ar", None))
-        elif method == "chain":
-            runs.append(("chain", drafter_config(load_hf_config(drafter)).block_size - 1))
+        elif TREE_METHODS[method].whole_block:
+            runs.append((method, drafter_config(load_hf_config(drafter)).block_size - 1))
         else:
             runs += [(method, int(b)) for b in cfg.eval.budgets]
     return runs

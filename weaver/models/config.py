@@ -50,10 +50,6 @@ class TargetConfig:
     def is_hybrid(self) -> bool:
         return "linear_attention" in self.layer_types
 
-    @property
-    def rotary_dim(self) -> int:
-        return 2 * self.inv_freq.numel()
-
 
 def text_config(hf: PretrainedConfig) -> PretrainedConfig:
     """The language-model part of a (possibly multimodal) config, e.g. Qwen3.5/3.6 VLM checkpoints."""

@@ -37,7 +37,7 @@ from sglang.srt.speculative.spec_utils import (
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from torch import nn
 
-from weaver.builders import StepInputs, propose
+from weaver.builders import TREE_METHODS, SearchConfig, StepInputs, propose
 from weaver.errors import WeaverError
 from weaver.models.adapter import WeaverAdapter, load_adapter
 from weaver.models.drafter import DrafterCache
@@ -125,7 +125,7 @@ class TreeWorker(BaseSpecWorker):
         pass
 
     def _load_adapter(self) -> WeaverAdapter | None:
-        if self.method != "weaver":
+        if "adapter" not in TREE_METHODS[self.method].needs:
             return None
         if self.settings.adapter is None:
             raise WeaverError(f"--speculative-algorithm WEAVER needs a trained adapter: set {ADAPTER_ENV} to its folder")
@@ -245,9 +245,9 @@ class TreeWorker(BaseSpecWorker):
         budget = self.draft_token_num - 1
         draft = self.drafter.draft(self.head, state.context, torch.tensor([anchor], device=self.device),
                                    torch.tensor([seq_len], device=self.device), max_depth=budget)
-        state.proposal = propose(self.method, StepInputs(anchor, draft, state.last_hidden), budget, self.head,
-                                 self.adapter, self.settings.width, self.settings.nodes_per_call, state.generator,
-                                 state.temperature or 1.0)
+        state.proposal = propose(self.method, StepInputs(anchor, draft, state.last_hidden, self.head, adapter=self.adapter),
+                                 SearchConfig(budget, self.settings.width, self.settings.nodes_per_call, state.generator,
+                                              state.temperature or 1.0))
         if self.settings.trace:  # the trace's fingerprint of the drafter's inputs; off the hot path otherwise
             state.top_logits = draft.logits[0].topk(TRACE_TOP).values
         return state.proposal.tree
