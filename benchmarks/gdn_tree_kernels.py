@@ -31,7 +31,8 @@ import torch
 
 from kernels.gdn_tree import gdn_tree_verify
 from kernels.tree_mask import tree_ancestor_mask
-from weaver.models.gdn import gdn_gates, per_branch_tree_gated_delta_rule
+from kernels.gdn_tree.reference import gdn_gates
+from weaver.models.gdn import per_branch_tree_gated_delta_rule
 from weaver.tree import Tree
 
 PAPER_RATIO = {16: 1.5, 32: 2.7, 64: 4.6, 128: 7.1}

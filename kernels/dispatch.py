@@ -14,24 +14,55 @@ from __future__ import annotations
 
 import os
 import weakref
+from functools import cached_property
 
 import torch
 
-from weaver.errors import WeaverError
-from weaver.tree import Tree
-
 MODES = ("auto", "triton", "torch")
+
+
+class KernelError(ValueError):
+    """Bad input to an op, or a backend that cannot run (`WEAVER_KERNELS`), refused before any launch."""
+
+
+class TreeInputError(KernelError):
+    """Trees the ops cannot walk, refused on the host before any launch (a cyclic parent pointer would
+    hang a kernel, a forward or outside one would read garbage)."""
+
+
+class ParentTree:
+    """A tree known by its parent pointers (T,) (node-local, -1 = child of the committed context, checked by
+    `check_trees`), with the ancestor matrix the torch paths need. The ops take such an object, or any
+    with the same `parents` and `ancestors` (weaver's `Tree` caches both), wherever they take parents."""
+
+    def __init__(self, parents: torch.Tensor):
+        self.parents = parents
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def ancestors(self) -> torch.Tensor:
+        """(T, T) bool, [i, j]: node j is an ancestor of node i or i itself; the reflexive-transitive closure
+        of the parent relation by repeated squaring (log2 T boolean matmuls)."""
+        T = len(self.parents)
+        closure = torch.eye(T, device=self.parents.device)
+        has_parent = self.parents >= 0
+        closure[torch.arange(T, device=self.parents.device)[has_parent], self.parents[has_parent]] = 1.0
+        for _ in range(max(T - 1, 1).bit_length()):
+            closure = ((closure @ closure) > 0).float()
+        return closure.bool()
 
 
 def use_triton(x: torch.Tensor) -> bool:
     """Whether an op on tensors like `x` runs the Triton kernel."""
     mode = os.environ.get("WEAVER_KERNELS", "auto").lower()
     if mode not in MODES:
-        raise WeaverError(f"WEAVER_KERNELS={mode!r}: expected one of {', '.join(MODES)}")
+        raise KernelError(f"WEAVER_KERNELS={mode!r}: expected one of {', '.join(MODES)}")
     if mode == "torch" or (mode == "auto" and not x.is_cuda):
         return False
     if not x.is_cuda and not interpreting():
-        raise WeaverError("WEAVER_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before kernels load)")
+        raise KernelError("WEAVER_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before kernels load)")
     return True
 
 
@@ -52,27 +83,22 @@ def autotune_configs(configs: list) -> list:
     return configs[:1] if interpreting() else configs
 
 
-class TreeInputError(ValueError):
-    """Trees the ops cannot walk, refused on the host before any launch (a cyclic parent pointer would
-    hang a kernel, a forward or outside one would read garbage)."""
-
-
-# `Tree`s whose parents passed `check_trees` (a Tree is immutable): the engine hands one Tree per verify
-# step to every layer's ops, which then skip the device-to-host copy of its parents.
-_CHECKED_TREES: weakref.WeakSet[Tree] = weakref.WeakSet()
+# Tree objects whose parents passed `check_trees` (trees are immutable): the engine hands one tree per
+# verify step to every layer's ops, which then skip the device-to-host copy of its parents.
+_CHECKED_TREES: weakref.WeakSet = weakref.WeakSet()
 
 
 def flatten_trees(
-    batch: int, length: int, parents: torch.Tensor | Tree, cu_seqlens: torch.Tensor | None
+    batch: int, length: int, parents: torch.Tensor | ParentTree, cu_seqlens: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Every op's batch-of-trees form, checked by `check_trees`: node-local parent pointers (N,) int32, tree
     offsets (n+1,) int32 and each tree's node count (host, so launches need no device read).
 
-    Without `cu_seqlens`, `parents` (T,) (or a `Tree`) is one tree shared by all `batch` rows of
+    Without `cu_seqlens`, `parents` (T,) (or a tree object, `ParentTree`) is one tree shared by all `batch` rows of
     (batch, T, ...) inputs; with it, inputs are (1, N, ...) and tree n holds nodes cu_seqlens[n]:cu_seqlens[n+1].
     `length` is the inputs' node count (T, or N with `cu_seqlens`).
     """
-    tree = parents if isinstance(parents, Tree) else None
+    tree = None if isinstance(parents, torch.Tensor) else parents
     if tree is not None:
         parents = tree.parents
     if cu_seqlens is not None and batch != 1:
@@ -101,7 +127,7 @@ def check_trees(parents: torch.Tensor, offsets: list[int], length: int) -> None:
     ends at a root after at most i steps, inside the tree.
 
     O(N) vector ops on the host after one device-to-host copy of `parents` (N ints), which waits for the
-    GPU when they live there (once per `Tree`, see `_CHECKED_TREES`).
+    GPU when they live there (once per tree object, see `_CHECKED_TREES`).
     """
     if parents.dim() != 1:
         raise TreeInputError(f"invalid tree input: parents must be 1-d, got shape {tuple(parents.shape)}")
@@ -139,11 +165,11 @@ def check_leaves(leaf: int | list[int] | torch.Tensor, lengths: list[int]) -> to
 
 
 def trees_for_reference(
-    parents: torch.Tensor | Tree, flat_parents: torch.Tensor, cu_seqlens: torch.Tensor
-) -> list[Tree]:
-    """One `Tree` per tree of the batch for the torch path; a given `Tree` is reused as is, so the
-    ancestors and conv windows it caches are built once per verify step, not once per layer."""
-    if isinstance(parents, Tree):
+    parents: torch.Tensor | ParentTree, flat_parents: torch.Tensor, cu_seqlens: torch.Tensor
+) -> list[ParentTree]:
+    """One tree object per tree of the batch for the torch path; a given one is reused as is, so the
+    ancestors and conv windows cached on it are built once per verify step, not once per layer."""
+    if not isinstance(parents, torch.Tensor):
         return [parents] * (cu_seqlens.numel() - 1)
     bounds = cu_seqlens.tolist()
-    return [Tree(flat_parents[s:e].long(), flat_parents[s:e].long()) for s, e in zip(bounds[:-1], bounds[1:])]
+    return [ParentTree(flat_parents[s:e].long()) for s, e in zip(bounds[:-1], bounds[1:])]

@@ -12,6 +12,7 @@ from scipy.stats import chi2
 
 
 from hf_tiny import VOCAB
+from weaver.acceptance import SAMPLING_RULES, SamplingRule
 from weaver.builders import SearchConfig, StepInputs, ddtree, weaver_tree
 from weaver.engine import speculative_generate
 from weaver.errors import WeaverError
@@ -19,8 +20,7 @@ from weaver.generate import generate
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, load_adapter, save_adapter
 from weaver.models.drafter import Draft, Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
-from weaver.train.target import init_weights
-from weaver.verify import SAMPLING_RULES, SamplingRule
+from weaver.models.layers import init_weights
 
 BLOCK = 6
 

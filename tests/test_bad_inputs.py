@@ -22,18 +22,18 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import ROOT, run_script
 from hf_tiny import VOCAB, save_tiny_hf_model, tiny_config
+from weaver.acceptance import check_finite
 from weaver.budget import BudgetPlanner, check_budgets, measure_step_costs
 from weaver.data.prompts import encode_prompts, load_prompt_set
 from weaver.engine import speculative_generate
+from weaver.errors import WeaverError
 from weaver.eval.run import check_names
 from weaver.eval.sglang_backend import check_sglang_eval, sglang_python
-from weaver.errors import WeaverError
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, load_adapter, save_adapter
 from weaver.models.checkpoint import load_target, load_tokenizer, tokenizer_fingerprint
 from weaver.models.config import from_hf
 from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, load_drafter, new_drafter_config, save_drafter
-from weaver.verify import check_finite
 
 BLOCK = 6  # drafter block: 5 draft positions
 POOL = 16  # the adapter's candidates per position

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_tiny import VOCAB
+from weaver.acceptance import greedy_tree
 from weaver.budget import BudgetPlanner, measure_step_costs
 from weaver.builders import ddtree
 from weaver.engine import speculative_generate
@@ -13,7 +14,6 @@ from weaver.errors import WeaverError
 from weaver.generate import generate
 from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
-from weaver.verify import greedy_tree
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -31,8 +31,8 @@ FACTORIES = {"arange", "zeros", "ones", "full", "empty", "tensor", "as_tensor", 
 # and DDTree builders') scores, priorities and Gumbel noise (drawn with the caller's generator, on its device,
 # then moved).
 HOST_SIDE = {("kernels/dispatch.py", "check_trees"), ("kernels/dispatch.py", "check_leaves"),
-             ("weaver/verify.py", "recursive_rejection_tree")}
-FP32_ON_PURPOSE = {("weaver/models/cache.py", "empty"), ("weaver/verify.py", "recursive_rejection_tree"),
+             ("weaver/acceptance.py", "recursive_rejection_tree")}
+FP32_ON_PURPOSE = {("weaver/models/cache.py", "empty"), ("weaver/acceptance.py", "recursive_rejection_tree"),
                    ("weaver/search.py", "start"), ("weaver/search.py", "__init__"), ("weaver/search.py", "ranked_children"),
                    ("weaver/builders.py", "chain_tree"), ("weaver/builders.py", "best_paths")}
 

@@ -8,14 +8,8 @@ import warnings
 import pytest
 import torch
 
-from weaver.models.gdn import (
-    chunk_gated_delta_rule,
-    gated_delta_step_,
-    gdn_gates,
-    recurrent_gated_delta_rule,
-    solve_unit_lower,
-    torch_chunk_gated_delta_rule,
-)
+from kernels.gdn_tree.reference import gdn_gates, solve_unit_lower
+from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_, recurrent_gated_delta_rule, torch_chunk_gated_delta_rule
 
 
 def random_inputs(B: int, T: int, H: int, HV: int, dk: int, dv: int, gen: torch.Generator):

@@ -23,12 +23,8 @@ import torch  # noqa: E402
 
 from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify  # noqa: E402
 from kernels.gdn_tree.kernel import VERIFY_CONFIGS, _gdn_tree_verify_kernel  # noqa: E402
-from weaver.models.gdn import (  # noqa: E402
-    call_fla_gated_delta_rule,
-    chunk_gated_delta_rule,
-    gdn_gates,
-    recurrent_gated_delta_rule,
-)
+from kernels.gdn_tree.reference import gdn_gates  # noqa: E402
+from weaver.models.gdn import call_fla_gated_delta_rule, chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
 
 
 def load_fla_naive():

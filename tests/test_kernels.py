@@ -24,13 +24,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.dispatch import TreeInputError, use_triton  # noqa: E402
+from kernels.dispatch import KernelError, TreeInputError, use_triton  # noqa: E402
 from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify  # noqa: E402
 from kernels.tree_attention import tree_attention  # noqa: E402
-from kernels.tree_conv import tree_conv1d, tree_conv_commit_  # noqa: E402
+from kernels.tree_conv import conv_windows, tree_conv1d, tree_conv_commit_  # noqa: E402
 from kernels.tree_mask import tree_ancestor_mask, tree_ancestor_mask_ref  # noqa: E402
-from weaver.errors import WeaverError  # noqa: E402
-from weaver.models.gdn import gdn_gates, per_branch_tree_gated_delta_rule  # noqa: E402
+from kernels.gdn_tree.reference import gdn_gates  # noqa: E402
+from weaver.models.gdn import per_branch_tree_gated_delta_rule  # noqa: E402
 from weaver.tree import Tree  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +82,7 @@ def test_dispatch_modes(monkeypatch):
     monkeypatch.setenv("WEAVER_KERNELS", "triton")
     assert use_triton(x)
     monkeypatch.setenv("WEAVER_KERNELS", "cuda")
-    with pytest.raises(WeaverError, match="WEAVER_KERNELS"):
+    with pytest.raises(KernelError, match="WEAVER_KERNELS"):
         use_triton(x)
 
 
@@ -211,7 +211,7 @@ def test_precomputed_tree_tensors_equal_the_checked_path(monkeypatch, layout, B)
         conv_pool = torch.randn(B + 1, 12, 3, generator=gen)
         conv_pools = [conv_pool.clone(), conv_pool.clone()]
         convs = [tree_conv1d(x, weight, conv_pools[0], parents),
-                 tree_conv1d(x, weight, conv_pools[1], tree, conv_index=tree.conv_index(4))]
+                 tree_conv1d(x, weight, conv_pools[1], tree, conv_index=conv_windows(tree, 4))]
         torch.testing.assert_close(convs[1][0], convs[0][0], **TOL)
         for state, (_, pending) in zip(conv_pools, convs):
             tree_conv_commit_(state, pending, leaves)
@@ -442,3 +442,29 @@ def test_benchmark_smoke_runs():
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert any(line.startswith("| 16 | 1 | fp32 |") for line in done.stdout.splitlines())
+
+
+def test_the_kernels_stand_alone_without_weaver():
+    """kernels/ depends on nothing of weaver (weaver depends on it, never the reverse): every op imports and
+    runs on plain tensors in a process where `weaver` cannot be imported."""
+    code = """
+import sys
+sys.modules["weaver"] = None
+import torch
+from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
+from kernels.tree_attention import tree_attention
+from kernels.tree_conv import tree_conv1d, tree_conv_commit_
+from kernels.tree_mask import tree_ancestor_mask
+parents = torch.tensor([-1, 0, 0, 1])
+o, pending = gdn_tree_verify(torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8), torch.randn(1, 4, 2, 8),
+                             torch.randn(1, 4, 2), torch.randn(1, 4, 2), torch.zeros(2), torch.zeros(2),
+                             torch.zeros(1, 2, 8, 8), parents)
+gdn_tree_commit_(torch.zeros(1, 2, 8, 8), pending, 3)
+out, conv = tree_conv1d(torch.randn(1, 4, 6), torch.randn(6, 4), torch.zeros(1, 6, 3), parents)
+tree_conv_commit_(torch.zeros(1, 6, 3), conv, 2)
+tree_attention(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8), parents)
+tree_ancestor_mask(parents.int(), torch.tensor([0, 4], dtype=torch.int32))
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "WEAVER_KERNELS": "torch"})
+    assert run.returncode == 0, run.stderr[-3000:]

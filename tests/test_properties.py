@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis) of the invariants every speculative step relies on:
 
-- acceptance rules (weaver.verify) accept a root-to-node path of any tree; greedy accepts exactly the
+- acceptance rules (weaver.acceptance) accept a root-to-node path of any tree; greedy accepts exactly the
   longest path that follows the target's argmax chain;
 - tree builders (weaver.builders, weaver.search) never exceed the budget and build well-formed trees
   (parents first, depth = parent depth + 1, no two siblings with the same token);
@@ -25,11 +25,11 @@ from cache_checks import ATOL, assert_cache_matches, assert_context_matches, cac
 from hf_tiny import VOCAB
 from test_adapter import BLOCK, as_step, make_adapter, step_inputs
 from test_engine import random_drafter
+from weaver.acceptance import greedy_tree, recursive_rejection_tree, target_only_tree
 from weaver.builders import SearchConfig, StepInputs, chain_tree, ddtree, max_tree_nodes, oracle_tree, weaver_tree
 from weaver.models.drafter import Draft, Drafter
 from weaver.search import Proposal
 from weaver.tree import Tree
-from weaver.verify import greedy_tree, recursive_rejection_tree, target_only_tree
 
 SEEDS = st.integers(0, 2**32 - 1)
 TEMPERATURES = st.sampled_from([0.5, 1.0, 2.0])

@@ -20,11 +20,11 @@ from transformers import AutoModelForCausalLM
 
 from conftest import run_script
 from test_adapter import accept_every_draft
+from weaver.acceptance import SAMPLING_RULES, SamplingRule
 from weaver.engine import speculative_generate
 from weaver.eval.results import read_rows
 from weaver.generate import generate
 from weaver.pipeline import ROOT_CONF, gguf_as_safetensors, load_target_and_tokenizer
-from weaver.verify import SAMPLING_RULES, SamplingRule
 
 
 @pytest.fixture(scope="module")

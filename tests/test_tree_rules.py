@@ -1,18 +1,18 @@
 """Sampling on trees: target-only acceptance reproduces the target's distribution (chi-square), and a
 deliberately broken variant is caught; recursive rejection sampling stays exact when the draft
 distribution depends on the whole path (as Weaver's does). Uses the synthetic first-order target of
-test_verify_rules."""
+test_acceptance_rules."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from test_verify_rules import CHI2_CRIT_DF15, V, chi_square, synthetic_problem
+from test_acceptance_rules import CHI2_CRIT_DF15, V, chi_square, synthetic_problem
+from weaver.acceptance import recursive_rejection_tree, target_only_tree
 from weaver.builders import ddtree
 from weaver.search import best_first_tree
 from weaver.tree import Tree
-from weaver.verify import recursive_rejection_tree, target_only_tree
 
 TRIALS = 12000
 

@@ -9,18 +9,20 @@ from typing import TypeVar
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from kernels.dispatch import KernelError
 from weaver.errors import WeaverError
 
 T = TypeVar("T")
 
 
 def run_cli(job: Callable[[DictConfig], T], cfg: DictConfig) -> T:
-    """Run a Hydra job; WeaverError and config errors print `error: ...` and exit with status 2."""
+    """Run a Hydra job; WeaverError, the kernels' KernelError (e.g. a bad WEAVER_KERNELS) and config errors
+    print `error: ...` and exit with status 2."""
     if not _cuda():  # fla's Triton kernels need a GPU; keep transformers on its torch path
         sys.modules.setdefault("fla", None)
     try:
         return job(cfg)
-    except (WeaverError, OmegaConfBaseException, FileNotFoundError) as err:
+    except (WeaverError, KernelError, OmegaConfBaseException, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 

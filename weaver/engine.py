@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weaver.acceptance import SAMPLING_RULES, check_finite, greedy_tree
 from weaver.budget import BudgetPlanner
-from weaver.errors import WeaverError
 from weaver.builders import SearchConfig, StepInputs, check_budget, propose, tree_method
+from weaver.errors import WeaverError
 from weaver.generate import sample_next, until_eos
 from weaver.models.adapter import WeaverAdapter, check_adapter_fits
 from weaver.models.config import check_prompt, is_count
 from weaver.models.drafter import Drafter, check_pair
 from weaver.models.target import TargetModel, verify_size
-from weaver.verify import SAMPLING_RULES, check_finite, greedy_tree
 
 # Where a step's time goes: the drafter's block, the tree search (the adapter's calls for Weaver), the
 # target's verify pass, the acceptance rule, and committing the path (target cache + drafter context).

@@ -11,7 +11,7 @@ Greedy decoding takes each node's children in order of probability (k-best searc
 without replacement from the node's distribution, all at once by Gumbel-top-k (a draw in that order has
 the law of successive draws); a slot's priority then uses the mass still undrawn, which depends only on
 the children drawn before it, so whether a child exists never depends on its own value: the condition
-recursive rejection sampling (`weaver.verify.recursive_rejection_tree`) needs.
+recursive rejection sampling (`weaver.acceptance.recursive_rejection_tree`) needs.
 """
 
 from __future__ import annotations

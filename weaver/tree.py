@@ -97,27 +97,3 @@ class Tree:
     def path_to(self, leaf: int) -> torch.Tensor:
         """Root-to-leaf node indices (ascending = topological order)."""
         return self.ancestors[leaf].nonzero().squeeze(-1)
-
-    @cached_property
-    def _conv_indices(self) -> dict[int, torch.Tensor]:
-        return {}
-
-    def conv_index(self, kernel: int) -> torch.Tensor:
-        """(T, kernel) indices into cat(committed conv state (kernel-1 inputs), node inputs (T)).
-
-        Row i is node i's causal-conv window: its nearest kernel-1 ancestors (oldest first) then itself,
-        falling back to the committed conv state past the root. Computed once per tree and kernel size.
-        """
-        if kernel not in self._conv_indices:
-            self._conv_indices[kernel] = self._build_conv_index(kernel)
-        return self._conv_indices[kernel]
-
-    def _build_conv_index(self, kernel: int) -> torch.Tensor:
-        T = len(self)
-        index = torch.empty(T, kernel, dtype=torch.long, device=self.tokens.device)
-        node = torch.arange(T, device=self.tokens.device)
-        index[:, kernel - 1] = kernel - 1 + node
-        for m in range(1, kernel):
-            node = torch.where(node >= 0, self.parents[node.clamp(min=0)], node)
-            index[:, kernel - 1 - m] = torch.where(node >= 0, kernel - 1 + node, kernel - 1 - (m - self.depth))
-        return index

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import check_leaves, check_precomputed, flatten_trees, trees_for_reference, use_triton
-from kernels.gdn_tree.reference import gdn_tree_commit_ref, gdn_tree_verify_ref
-from weaver.errors import WeaverError
-from weaver.models.gdn import PendingGDN, gdn_gates, tree_gated_delta_rule
-from weaver.tree import Tree
+from kernels.dispatch import (
+    KernelError, ParentTree, check_leaves, check_precomputed, flatten_trees, trees_for_reference, use_triton,
+)
+from kernels.gdn_tree.reference import (
+    PendingGDN, gdn_gates, gdn_tree_commit_ref, gdn_tree_verify_ref, tree_gated_delta_rule,
+)
 
 
 @dataclass
@@ -36,7 +37,7 @@ class GDNTreePending:
 
 def gdn_tree_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, parents: torch.Tensor | Tree, *,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, parents: torch.Tensor | ParentTree, *,
     cu_seqlens: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
     mask: torch.Tensor | None = None, scale: float | None = None, state_layout: str = "kv",
     dot_precision: str = "ieee", ancestors: torch.Tensor | None = None,
@@ -47,12 +48,13 @@ def gdn_tree_verify(
     projections: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b); A_log, dt_bias (HV,).
     `state` is a pool (slots, HV, K, V) for state_layout "kv" (fla) or (slots, HV, V, K) for "vk"
     (SGLang); tree n reads slot state_indices[n] (default n). `parents` (T,) node-local, -1 for children
-    of the context, shared by the B rows (or that `Tree`, whose cached ancestors the torch path reuses);
+    of the context, shared by the B rows (or a tree object, `kernels.dispatch.ParentTree`, whose cached
+    ancestors the torch path reuses);
     or a batch of trees: B = 1, parents (N,), `cu_seqlens` offsets. `mask`: the trees' ancestor bitmask
     for the Triton path if already built (it is shared by all layers and heads).
     `scale`: applied to q after its L2 norm (default K^-0.5), by both backends.
     `dot_precision`: Triton's tl.dot input_precision ("ieee" exact fp32; "tf32x3"/"tf32" faster on GPU).
-    `ancestors`: the (T, T) ancestors-or-self matrix of the `Tree` given as `parents`: the torch path then
+    `ancestors`: the (T, T) ancestors-or-self matrix of the tree object given as `parents`: the torch path then
     does no host work (a compiled verify pass traces it).
     Returns o (B, T, HV, V) fp32 and the pending commit data. Trees not in topological order, empty ones
     and mismatched lengths raise `kernels.dispatch.TreeInputError` before anything runs.
@@ -60,9 +62,9 @@ def gdn_tree_verify(
     B, T, H, K = k.shape
     HV = v.shape[2]
     if HV % H or state_layout not in ("kv", "vk"):
-        raise WeaverError(f"GDN tree verify: HV={HV} must be a multiple of H={H}, layout 'kv' or 'vk'")
+        raise KernelError(f"GDN tree verify: HV={HV} must be a multiple of H={H}, layout 'kv' or 'vk'")
     scale = K**-0.5 if scale is None else scale
-    if ancestors is not None and isinstance(parents, Tree) and cu_seqlens is None and state_indices is None \
+    if ancestors is not None and not isinstance(parents, torch.Tensor) and cu_seqlens is None and state_indices is None \
             and not use_triton(v):
         check_precomputed(ancestors, T, "ancestors")
         return _verify_shared_tree(q, k, v, a, b, A_log, dt_bias, state, parents, ancestors, scale, state_layout)
@@ -93,7 +95,7 @@ def gdn_tree_verify(
 
 def _verify_shared_tree(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-    dt_bias: torch.Tensor, state: torch.Tensor, tree: Tree, ancestors: torch.Tensor, scale: float, layout: str,
+    dt_bias: torch.Tensor, state: torch.Tensor, tree: ParentTree, ancestors: torch.Tensor, scale: float, layout: str,
 ) -> tuple[torch.Tensor, GDNTreePending]:
     """The torch path for one checked tree shared by the B rows (row n reads slot n), all rows at once."""
     B = q.shape[0]

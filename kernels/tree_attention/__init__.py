@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import check_precomputed, flatten_trees, trees_for_reference, use_triton
+from kernels.dispatch import ParentTree, check_precomputed, flatten_trees, trees_for_reference, use_triton
 from kernels.tree_attention.reference import tree_attention_ref
-from weaver.tree import Tree
 
 
 def tree_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parents: torch.Tensor | Tree, *,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parents: torch.Tensor | ParentTree, *,
     prefix_valid: torch.Tensor | None = None, mask: torch.Tensor | None = None, scale: float | None = None,
     dot_precision: str = "ieee", ancestors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, T, D); k, v (B, Hkv, P+T, D): P prefix slots then the T nodes in `parents` order
-    (node-local, -1 = child of the prefix; one tree shared by the batch), or that `Tree`. prefix_valid (B, >=P) bool marks
+    (node-local, -1 = child of the prefix; one tree shared by the batch), or a tree object (`ParentTree`). prefix_valid (B, >=P) bool marks
     usable prefix slots (None: all). `mask`: the tree's ancestor bitmask if already built.
-    `ancestors`: the tree's (T, T) ancestors-or-self matrix of a `Tree` the caller holds (checked when it was
+    `ancestors`: the (T, T) ancestors-or-self matrix of a tree object the caller holds (checked when it was
     built): the torch path then runs on it with no host work, so a compiled verify pass traces it.
     Returns (B, Hq, T, D) in q's dtype."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale

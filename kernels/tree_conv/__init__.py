@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import check_leaves, check_precomputed, flatten_trees, shared_tree, trees_for_reference, use_triton
-from kernels.tree_conv.reference import tree_conv1d_ref, tree_conv_commit_ref
-from weaver.models.gdn import tree_causal_conv1d
-from weaver.tree import Tree
+from kernels.dispatch import (
+    ParentTree, check_leaves, check_precomputed, flatten_trees, shared_tree, trees_for_reference, use_triton,
+)
+from kernels.tree_conv.reference import conv_windows, tree_causal_conv1d, tree_conv1d_ref, tree_conv_commit_ref
 
 
 @dataclass
@@ -21,21 +21,21 @@ class TreeConvPending:
     cu_seqlens: torch.Tensor  # (n_trees + 1,) int32
     state_indices: torch.Tensor  # (n_trees,) int32
     lengths: list[int]  # node count of each tree (host), to check the commit's leaves
-    trees: list[Tree] | None  # torch path: one Tree per tree (cached conv windows); None on the Triton path
+    trees: list[ParentTree] | None  # torch path: one tree object per tree (cached conv windows); None on the Triton path
 
 
 def tree_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor | Tree, *,
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor | ParentTree, *,
     cu_seqlens: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
     conv_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TreeConvPending]:
     """SiLU(depthwise causal conv) of every node along its own ancestors. x (B, T, C), weight (C, W),
     state a pool (slots, C, W-1) of committed last inputs, tree n reading slot state_indices[n] (default
-    n); parents / cu_seqlens as in `kernels.gdn_tree.gdn_tree_verify`. `conv_index`: a `Tree`'s
-    `conv_index(W)`, given with that Tree as `parents`: the torch path then does no host work (a compiled
+    n); parents / cu_seqlens as in `kernels.gdn_tree.gdn_tree_verify`. `conv_index`: `conv_windows(tree, W)`
+    of the tree object given as `parents`: the torch path then does no host work (a compiled
     verify pass traces it). Returns out (B, T, C) in x's dtype."""
     B, T, C = x.shape
-    if conv_index is not None and isinstance(parents, Tree) and cu_seqlens is None and state_indices is None \
+    if conv_index is not None and not isinstance(parents, torch.Tensor) and cu_seqlens is None and state_indices is None \
             and not use_triton(x):
         check_precomputed(conv_index, T, "conv_index")
         out, _ = tree_causal_conv1d(x, weight, state[:B], conv_index)
@@ -70,4 +70,4 @@ def tree_conv_commit_(state: torch.Tensor, pending: TreeConvPending, leaf: int |
         tree_conv_commit_ref(state, pending.x, pending.state_indices, pending.trees, pending.cu_seqlens, leaves.tolist())
 
 
-__all__ = ["TreeConvPending", "tree_conv1d", "tree_conv_commit_"]
+__all__ = ["TreeConvPending", "conv_windows", "tree_conv1d", "tree_conv_commit_"]

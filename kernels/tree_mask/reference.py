@@ -1,10 +1,10 @@
-"""Ancestor bitmask in torch, from `weaver.tree.Tree.ancestors`."""
+"""Ancestor bitmask in torch, from `kernels.dispatch.ParentTree.ancestors`."""
 
 from __future__ import annotations
 
 import torch
 
-from weaver.tree import Tree
+from kernels.dispatch import ParentTree
 
 
 def tree_ancestor_mask_ref(parents: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -16,7 +16,7 @@ def tree_ancestor_mask_ref(parents: torch.Tensor, cu_seqlens: torch.Tensor) -> t
     weights = 2 ** torch.arange(32, device=parents.device, dtype=torch.int64)
     for start, T in zip(cu_seqlens[:-1].tolist(), lengths):
         local = parents[start : start + T].long()
-        anc = Tree(torch.zeros_like(local), local).ancestors
+        anc = ParentTree(local).ancestors
         anc = torch.nn.functional.pad(anc, (0, 32 * words - T)).view(T, words, 32)
         out[start : start + T] = (anc.long() * weights).sum(-1)
     return (out - (out >= 2**31).long() * 2**32).to(torch.int32)  # two's complement wrap into int32

@@ -170,7 +170,7 @@ def test_our_worker_samples_the_targets_distribution(engine_runs, method):
     """Sampled requests (temperature 0.1) through drawn trees and our recursive rejection sampling: the 2nd
     and 3rd tokens of many runs against their exact distributions (Pearson chi-square; cells expecting fewer
     than 5 draws pooled). SGLang's own CPU verify would be greedy here and fail it. With this random drafter
-    few drafts are accepted (about 1%): the rule's own statistics are tested in tests/test_verify_rules.py,
+    few drafts are accepted (about 1%): the rule's own statistics are tested in tests/test_acceptance_rules.py,
     this checks the worker's wiring (its trees' draws, the verify rows, the commit)."""
     runs = engine_runs[f"{method}_sampled"]
     assert len(runs) == SAMPLED_RUNS and all(len(r["ids"]) == 3 for r in runs)

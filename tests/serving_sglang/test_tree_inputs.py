@@ -16,10 +16,10 @@ from sglang.kernels.ops.speculative import spec_tree  # noqa: E402
 from sglang.srt.speculative.eagle_utils import build_tree_kernel_efficient, organize_draft_results  # noqa: E402
 from sglang.srt.speculative.spec_utils import select_top_k_tokens  # noqa: E402
 
+from weaver.acceptance import greedy_tree  # noqa: E402
 from weaver.errors import WeaverError  # noqa: E402
 from weaver.serving.sglang.tree_inputs import accept_outputs, accepted_leaves, tree_verify_inputs  # noqa: E402
 from weaver.tree import Tree  # noqa: E402
-from weaver.verify import greedy_tree  # noqa: E402
 
 FULL, QLEN = spec_tree.TreeMaskMode.FULL_MASK, spec_tree.TreeMaskMode.QLEN_ONLY
 
@@ -47,7 +47,7 @@ def sglang_greedy_verify(inputs, target_predict: torch.Tensor):
 @pytest.mark.parametrize("full_mask", [True, False])
 def test_sglang_greedy_verify_accepts_what_the_reference_engine_accepts(full_mask):
     """Random trees (a 3-token vocabulary: repeated sibling tokens, long accepted paths), random sizes padded to
-    one n per batch: SGLang's verify on our inputs gives the leaf and bonus of `weaver.verify.greedy_tree`, and
+    one n per batch: SGLang's verify on our inputs gives the leaf and bonus of `weaver.acceptance.greedy_tree`, and
     `accept_outputs` of those gives SGLang's outputs back, tensor for tensor."""
     gen = torch.Generator().manual_seed(0)
     depths = []

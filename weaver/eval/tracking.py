@@ -1,8 +1,7 @@
 """W&B logging of an eval run: its config, the result rows as a wandb.Table, and the figures.
 
-Uses the same `wandb` settings as training (conf/base.yaml: offline unless WANDB_MODE says otherwise, runs
-under <paths.root>/wandb), so `wandb sync <paths.root>/wandb/wandb/offline-run-*` uploads both kinds.
-`eval.wandb=false` (or `wandb.enabled=false`, or WANDB_MODE=disabled) turns it off.
+Uses the same `wandb` settings as training (`weaver.tracking`). `eval.wandb=false` (or
+`wandb.enabled=false`, or WANDB_MODE=disabled) turns it off.
 """
 
 from __future__ import annotations
@@ -12,14 +11,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-
-def wandb_dir(cfg: DictConfig) -> Path:
-    """Where W&B writes runs: the folder training uses too (weaver.train.common.make_accelerator)."""
-    return Path(cfg.paths.root) / "wandb"
+from weaver.tracking import tracking_enabled, wandb_dir
 
 
 def wandb_enabled(cfg: DictConfig) -> bool:
-    return bool(cfg.eval.wandb and cfg.wandb.enabled and cfg.wandb.mode != "disabled")
+    return bool(cfg.eval.wandb) and tracking_enabled(cfg)
 
 
 def _table_value(value):
@@ -30,9 +26,7 @@ def log_eval_run(cfg: DictConfig, rows: list[dict], figures: list[Path]) -> Path
     """Log one eval run; returns the run's folder (what `wandb sync` takes when offline)."""
     import wandb
 
-    folder = wandb_dir(cfg)
-    folder.mkdir(parents=True, exist_ok=True)
-    run = wandb.init(project=cfg.wandb.project, mode=cfg.wandb.mode, dir=str(folder), job_type="eval",
+    run = wandb.init(project=cfg.wandb.project, mode=cfg.wandb.mode, dir=str(wandb_dir(cfg)), job_type="eval",
                      name=f"eval-{cfg.experiment}", config=OmegaConf.to_container(cfg, resolve=True))
     try:
         columns = list(dict.fromkeys(key for r in rows for key in r))

@@ -10,55 +10,20 @@ lower-triangular system (I + X) U = beta (V - a * (K S_0)); `torch_chunk_gated_d
 chunk so prefill and training are a handful of matmuls per chunk instead of one step per token (on CUDA
 `chunk_gated_delta_rule` hands the same job to fla's chunk kernel). Every solve is a forward
 substitution (`solve_unit_lower`), never an explicitly formed inverse: see its docstring for the bound.
+The same system on a draft tree, and the rollback-free commit, are the kernels' torch reference
+(`kernels/gdn_tree/reference.py`), which this module shares its pieces with.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import use_triton
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """L2-normalise the last dim the way fla does (rsqrt of sum of squares plus eps)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b), in fp32."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return g, b.float().sigmoid()
-
-
-def _prepare(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normalise q/k, then scale q (default 1/sqrt(d_k)); expand grouped heads to HV; layout (B, HV, T, d), fp32."""
-    groups = v.shape[2] // k.shape[2]
-    q = l2norm(q.float()) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    k = l2norm(k.float())
-    if groups > 1:
-        q = q.repeat_interleave(groups, dim=2)
-        k = k.repeat_interleave(groups, dim=2)
-    return q.transpose(1, 2), k.transpose(1, 2), v.float().transpose(1, 2)
-
-
-def solve_unit_lower(X: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
-    """U with (I + X) U = R, for strictly lower-triangular X (..., n, n) and R (..., n, m); differentiable.
-
-    Forward substitution (BLAS trsm), never the explicit inverse. In every GDN system
-    |X_ij| = beta_i |k_i . k_j| D_ij <= 1, and |((I + X)^-1)_ij| <= 1 too: column j is the recurrence's
-    response to a unit write at node j, which the contractions a (I - beta k k^T) cannot grow. Substitution
-    solves (I + X + dX) U = R with |dX| <= c n u |I + X| (u = unit roundoff), so its error is at most
-    c n u |(I + X)^-1| |I + X| |U| <= c n^3 u max|U|; the power series (I - X)(I + X^2)(I + X^4)... sums
-    terms up to 2^(n-2) that cancel (correlated keys, beta ~ 1, no decay: fp32 loses every digit by n ~ 30).
-    """
-    return torch.linalg.solve_triangular(X, R, upper=False, unitriangular=True)  # the zero diagonal is not read
+from kernels.gdn_tree.reference import l2norm, normalized_heads, solve_unit_lower
 
 
 def recurrent_gated_delta_rule(
@@ -66,7 +31,7 @@ def recurrent_gated_delta_rule(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token recurrence (decode path and reference). Returns (o (B, T, HV, d_v), final state)."""
-    q, k, v = _prepare(q, k, v, scale)
+    q, k, v = normalized_heads(q, k, v, scale)
     g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # (B, HV, T)
     S = state.float()
     outs = []
@@ -144,7 +109,7 @@ def torch_chunk_gated_delta_rule(
     Returns (o (B, T, HV, d_v), final state (B, HV, d_k, d_v)), fp32."""
     B, T, H, dk = k.shape
     HV, dv = v.shape[2], v.shape[3]
-    q, k, v = _prepare(q, k, v, scale)
+    q, k, v = normalized_heads(q, k, v, scale)
     g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)
     pad = (-T) % chunk_size
     if pad:  # padded steps have k = v = 0 and g = 0: they leave the state untouched
@@ -174,70 +139,6 @@ def torch_chunk_gated_delta_rule(
         S = S * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ U
     o = torch.stack(outs, dim=2).reshape(B, HV, n * C, dv)[:, :, :T]
     return o.transpose(1, 2), S
-
-
-@dataclass
-class PendingGDN:
-    """What a verify pass leaves for the commit: the committed state is never written during verify."""
-
-    k: torch.Tensor  # (B, HV, T, d_k), normalised keys
-    U: torch.Tensor  # (B, HV, T, d_v), solved write vectors u_j
-    G: torch.Tensor  # (B, HV, T), path log-decay G_j (sum of g over ancestors-or-self)
-    ancestors: torch.Tensor  # (T, T) bool, ancestors[i, j]: j is an ancestor of i or i itself
-
-
-def tree_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, ancestors: torch.Tensor, scale: float | None = None,
-) -> tuple[torch.Tensor, PendingGDN]:
-    """Outputs of T nodes in topological order, each continuing its own root-to-node path (docs/method.md §2.6).
-
-    Parallel form: G_i = sum of g over ancestors-or-self, D_ij = exp(G_i - G_j) on ancestors-or-self,
-    (I + X) U = beta (V - a K S0) with X_ij = beta_i (k_i . k_j) D_ij on strict ancestors,
-    O = a (Q S0) + Y U with Y_ij = (q_i . k_j) D_ij. A chain is the tree whose ancestors are the causal mask.
-    q is scaled by `scale` (default 1/sqrt(d_k)) after its L2 norm.
-    """
-    q, k, v = _prepare(q, k, v, scale)  # (B, HV, T, d)
-    g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # (B, HV, T)
-    S0 = state.float()
-    A = ancestors.to(q.dtype)
-    G = g @ A.T
-    D = (G[..., :, None] - G[..., None, :]).masked_fill(~ancestors, float("-inf")).exp()
-    strict = ancestors & ~torch.eye(len(ancestors), dtype=torch.bool, device=q.device)
-    X = (beta[..., None] * (k @ k.transpose(-1, -2)) * D) * strict
-    a = G.exp()[..., None]
-    U = solve_unit_lower(X, beta[..., None] * (v - a * (k @ S0)))
-    o = a * (q @ S0) + ((q @ k.transpose(-1, -2)) * D) @ U
-    return o.transpose(1, 2), PendingGDN(k, U, G, ancestors)
-
-
-def commit_path(state: torch.Tensor, pending: PendingGDN, leaf: int) -> torch.Tensor:
-    """State after the accepted root-to-`leaf` path: S_l = a_l S0 + sum_{j on path} D_lj k_j u_j^T.
-
-    One rank-|path| update of the untouched committed state: no replay, no per-node snapshots.
-    """
-    G_leaf = pending.G[..., leaf : leaf + 1]  # (B, HV, 1)
-    weights = torch.where(pending.ancestors[leaf], (G_leaf - pending.G).exp(), 0.0)  # (B, HV, T)
-    return state.float() * G_leaf[..., None].exp() + (pending.k * weights[..., None]).transpose(-1, -2) @ pending.U
-
-
-def tree_causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, conv_index: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GDN mixer's depthwise causal conv + SiLU on a tree: x (B, T, C), weight (C, W), state (B, C, W-1)
-    (the committed last W-1 inputs), conv_index (T, W) from `Tree.conv_index`: each node's window is its
-    nearest W-1 ancestors then itself, falling back to the committed state past the root.
-
-    Returns the outputs (B, T, C) and the buffer cat(state, inputs) (B, C, W-1+T) that the commit reads.
-    """
-    buffer = torch.cat([state, x.transpose(1, 2)], dim=-1)
-    out = (buffer[..., conv_index] * weight[:, None, :]).sum(-1)  # windows (B, C, T, W)
-    return F.silu(out).transpose(1, 2), buffer
-
-
-def tree_conv_state(buffer: torch.Tensor, conv_index: torch.Tensor, leaf: int) -> torch.Tensor:
-    """Committed conv state after the path ending at `leaf`: the path's last W-1 inputs (B, C, W-1)."""
-    return buffer[..., conv_index[leaf, 1:]]
 
 
 def per_branch_tree_gated_delta_rule(

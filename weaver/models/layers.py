@@ -7,6 +7,8 @@ is Hugging Face's package.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,3 +63,16 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
+
+
+def init_weights(model: torch.nn.Module, std: float) -> None:
+    """Fresh weights for a model with `layers` (target, drafter, adapter): Normal(0, std) for matrices and
+    embeddings; residual-branch outputs scaled by depth (GPT-2 style)."""
+    scaled = std / math.sqrt(2 * len(model.layers))
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=scaled if name.endswith((".o", "out_proj", "mlp.down")) else std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight, std=std)

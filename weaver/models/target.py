@@ -20,14 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.dispatch import TreeInputError, use_triton
+from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
+from kernels.gdn_tree.reference import gdn_gates
+from kernels.tree_attention import tree_attention
+from kernels.tree_conv import conv_windows, tree_conv1d, tree_conv_commit_
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
 from weaver.models.config import TargetConfig
-from kernels.dispatch import TreeInputError, use_triton
-from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
-from kernels.tree_attention import tree_attention
-from kernels.tree_conv import tree_conv1d, tree_conv_commit_
-from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_, gdn_gates
+from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_
 from weaver.models.layers import MLP, RMSNorm, apply_rope, rms_norm, rope_tables
 from weaver.tree import Tree
 
@@ -40,9 +41,9 @@ class Step:
     cos: torch.Tensor  # (B, T, 1, rotary_dim)
     sin: torch.Tensor
     start: int  # first cache slot the new tokens occupy (0 without a cache)
-    attn_mask: torch.Tensor | None  # (B, 1, T, start + T) bool, or None when `is_causal`/unmasked suffices
-    is_causal: bool
-    token_mask: torch.Tensor | None  # (B, T) 1 for real tokens, 0 for left padding; None when no padding
+    attn_mask: torch.Tensor | None = None  # (B, 1, T, start + T) bool, or None when `is_causal`/unmasked suffices
+    is_causal: bool = False  # a prefill of unpadded tokens on an empty cache
+    token_mask: torch.Tensor | None = None  # (B, T) 1 for real tokens, 0 for left padding; None when no padding
     tree: Tree | None = None  # verification: the new tokens form this tree and nothing is committed
     ancestors: torch.Tensor | None = None  # the tree's (T, T) ancestors-or-self and (T, kernel) conv windows,
     conv_index: torch.Tensor | None = None  # built once per verify and shared by every layer
@@ -281,9 +282,9 @@ class TargetModel(nn.Module):
         cos, sin = self.rope(positions)
         # attention layers mask by the tree themselves (`kernels.tree_attention`): valid context + ancestors;
         # the torch ops read the ancestors and conv windows built here, once for every layer
-        conv_index = padded.conv_index(self.cfg.linear_conv_kernel) if self.cfg.is_hybrid and torch_ops else None
-        step = Step(positions, cos, sin, start, None, False, None, padded, padded.ancestors if torch_ops else None,
-                    conv_index)
+        conv_index = conv_windows(padded, self.cfg.linear_conv_kernel) if self.cfg.is_hybrid and torch_ops else None
+        step = Step(positions, cos, sin, start, tree=padded, ancestors=padded.ancestors if torch_ops else None,
+                    conv_index=conv_index)
         output = run(padded.tokens[None], step, cache, tap_layers, None)
         if len(padded) > T:  # drop the padding's outputs
             output = TargetOutput(output.logits[:, :T], output.hidden[:, :T], [t[:, :T] for t in output.taps])
@@ -378,16 +379,16 @@ class TargetModel(nn.Module):
             cache.next_position = positions[:, -1] + 1
             cache.padded = padded
         if not padded and start == 0 and T > 1:
-            return Step(positions, cos, sin, start, None, True, None)
+            return Step(positions, cos, sin, start, is_causal=True)  # prefill
         if not padded and T == 1:
-            return Step(positions, cos, sin, start, None, False, None)
+            return Step(positions, cos, sin, start)  # decode: the one token sees every valid slot
         slots = torch.arange(start + T, device=device)
         causal = slots[None, :] <= (start + torch.arange(T, device=device))[:, None]  # (T, S)
         keys_valid = cache.valid[:, : start + T] if cache is not None else attention_mask
         mask = causal[None] if keys_valid is None else causal[None] & keys_valid[:, None, :]
         mask = mask | (slots[None, None, :] == start + torch.arange(T, device=device)[None, :, None])  # pads see self
         token_mask = attention_mask.to(self.embed.weight.dtype) if attention_mask is not None else None
-        return Step(positions, cos, sin, start, mask[:, None], False, token_mask)
+        return Step(positions, cos, sin, start, attn_mask=mask[:, None], token_mask=token_mask)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(positions, self.inv_freq, self.cfg.rope_scaling, self.embed.weight.dtype)

@@ -23,10 +23,10 @@ from weaver.errors import WeaverError
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, save_adapter
 from weaver.models.checkpoint import check_tokenizer, check_tokenizer_fingerprint, tokenizer_fingerprint
 from weaver.models.drafter import Drafter
+from weaver.models.layers import init_weights
 from weaver.models.target import TargetModel
 from weaver.train.common import fit, make_accelerator, write_artifact
 from weaver.train.drafter import anchored_batches, draft_blocks, taps_and_hidden
-from weaver.train.target import init_weights
 
 
 def pool_losses(log_q: torch.Tensor, teacher_logits: torch.Tensor, pool_tokens: torch.Tensor,

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from weaver.io import atomic_dir, atomic_write_json, durable_rename, fsync_tree, writable_dir
 from weaver.precision import resolve_device, training_precision
+from weaver.tracking import tracking_enabled, wandb_dir
 
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
 
@@ -35,7 +36,7 @@ def make_accelerator(cfg: DictConfig, run_name: str, precision: str = "auto") ->
     `precision` is a stage's `train.precision`: bf16 | fp32 | auto (bf16 only where the hardware makes it
     fast, weaver/precision.py)."""
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-checkpoint INFO lines drown the bar
-    tracking = cfg.wandb.enabled and cfg.wandb.mode != "disabled"
+    tracking = tracking_enabled(cfg)
     # One process may train several stages with different precisions; accelerate keeps that setting in
     # a process-wide singleton, so clear it (the distributed set-up, PartialState, is kept).
     AcceleratorState._reset_state()
@@ -48,12 +49,10 @@ def make_accelerator(cfg: DictConfig, run_name: str, precision: str = "auto") ->
         log_with="wandb" if tracking else None,
     )
     if tracking:
-        wandb_dir = Path(cfg.paths.root) / "wandb"
-        wandb_dir.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers(
             cfg.wandb.project,
             config=OmegaConf.to_container(cfg, resolve=True),
-            init_kwargs={"wandb": {"mode": cfg.wandb.mode, "dir": str(wandb_dir), "name": run_name}},
+            init_kwargs={"wandb": {"mode": cfg.wandb.mode, "dir": str(wandb_dir(cfg)), "name": run_name}},
         )
     return accelerator
 

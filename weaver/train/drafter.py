@@ -22,9 +22,9 @@ from weaver.errors import WeaverError
 from weaver.models.checkpoint import check_tokenizer, tokenizer_fingerprint
 from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config, save_drafter
+from weaver.models.layers import init_weights
 from weaver.models.target import TargetModel
 from weaver.train.common import fit, make_accelerator, write_artifact
-from weaver.train.target import init_weights
 
 
 def pad_sequences(rows: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,7 +6,6 @@ loader and `AutoModelForCausalLM` read it.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import datasets
@@ -19,6 +18,7 @@ from weaver.errors import WeaverError
 from weaver.generate import generate
 from weaver.models.checkpoint import save_hf_checkpoint
 from weaver.models.config import from_hf
+from weaver.models.layers import init_weights
 from weaver.models.target import TargetModel
 from weaver.train.common import fit, make_accelerator, write_artifact
 
@@ -32,18 +32,6 @@ def scratch_hf_config(model_cfg: DictConfig, tokenizer) -> PretrainedConfig:
         )
     except Exception as err:  # transformers validates fields strictly, with its own error types
         raise WeaverError(f"invalid model.hf_config: {' '.join(str(err).split())}") from None
-
-
-def init_weights(model: torch.nn.Module, std: float) -> None:
-    """Normal(0, std) for matrices and embeddings; residual-branch outputs scaled by depth (GPT-2 style)."""
-    scaled = std / math.sqrt(2 * len(model.layers))
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            torch.nn.init.normal_(module.weight, std=scaled if name.endswith((".o", "out_proj", "mlp.down")) else std)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, torch.nn.Embedding):
-            torch.nn.init.normal_(module.weight, std=std)
 
 
 def next_token_loss(model: TargetModel, batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:

@@ -66,7 +66,7 @@ def tree_verify_inputs(
 def accepted_leaves(
     accept_index: torch.Tensor, accept_token_num: torch.Tensor, predicts: torch.Tensor
 ) -> list[tuple[int, int]]:
-    """(accepted leaf node, bonus token) per request, as `weaver.verify.greedy_tree` returns them, from
+    """(accepted leaf node, bonus token) per request, as `weaver.acceptance.greedy_tree` returns them, from
     SGLang's greedy verify outputs: accept_index (bs, levels) global node ids along the accepted path (root
     first), accept_token_num (bs,) accepted drafts without the bonus, predicts (bs * n,) node-indexed."""
     n = len(predicts) // len(accept_index)
@@ -78,7 +78,7 @@ def accept_outputs(
     trees: Sequence[Tree], leaves: Sequence[tuple[int, int]], draft_token_num: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of `accepted_leaves`: (predicts, accept_index, accept_token_num) exactly as SGLang's greedy
-    verify writes them, for (leaf, bonus) pairs any of `weaver.verify`'s rules chose (sampling has no SGLang
+    verify writes them, for (leaf, bonus) pairs any of `weaver.acceptance`'s rules chose (sampling has no SGLang
     verify on most devices), so SGLang's commit of accepted KV and states can consume them."""
     n, device = draft_token_num, trees[0].tokens.device
     predicts = torch.zeros(len(trees) * n, dtype=torch.int32, device=device)

@@ -12,7 +12,7 @@ server-argument rules apply unchanged. The target's hidden states are read with 
 decoder stack, which CUDA-graph replays skip: launch with `--disable-cuda-graph` (the plugin sets it).
 Tensor parallel size 1 only (the embedding and lm_head are read whole).
 Greedy requests are verified by SGLang's greedy tree verify; sampled ones (temperature > 0) draw their
-trees without replacement and are verified by our recursive rejection sampling (`weaver.verify`), at the
+trees without replacement and are verified by our recursive rejection sampling (`weaver.acceptance`), at the
 request's temperature only: top-p, top-k, min-p and penalties are not applied to them.
 """
 
@@ -37,6 +37,7 @@ from sglang.srt.speculative.spec_utils import (
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from torch import nn
 
+from weaver.acceptance import recursive_rejection_tree
 from weaver.builders import TREE_METHODS, SearchConfig, StepInputs, propose
 from weaver.errors import WeaverError
 from weaver.models.adapter import WeaverAdapter, load_adapter
@@ -46,7 +47,6 @@ from weaver.search import Proposal
 from weaver.serving.sglang import ADAPTER_ENV, TRACE_TOP, WorkerSettings
 from weaver.serving.sglang.tree_inputs import accept_outputs, accepted_leaves, tree_verify_inputs
 from weaver.tree import Tree
-from weaver.verify import recursive_rejection_tree
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Acceptance rules alone (weaver.verify): greedy on hand-made logits, and exact statistical tests of
+"""Acceptance rules alone (weaver.acceptance): greedy on hand-made logits, and exact statistical tests of
 recursive rejection sampling on chains and sampled trees against a synthetic Markov target over a tiny
 vocabulary.
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weaver.acceptance import greedy_tree, recursive_rejection_tree
 from weaver.builders import marginal_logprobs
 from weaver.search import best_first_tree
 from weaver.tree import Tree
-from weaver.verify import greedy_tree, recursive_rejection_tree
 
 V = 4  # vocabulary of the synthetic target
 CHAIN = 3  # drafts per step
