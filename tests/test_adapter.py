@@ -117,7 +117,7 @@ def test_greedy_is_lossless_with_weaver_trees(target, drafter, budget, width):
     for n in (3, 11):
         prompt = torch.randint(3, VOCAB, (n,)).tolist()
         out, stats = speculative_generate(target, drafter, prompt, 32, method="weaver", budget=budget,
-                                          adapter=adapter, width=width)
+                                          adapter=adapter, children=width)
         assert out == generate(target, [prompt], 32)[0]
 
 
@@ -169,7 +169,7 @@ ALPHA = 1e-3
 def first_two_tokens(target, drafter, adapter, sampling: str, trials: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     out = [speculative_generate(target, drafter, PROMPT, 2, temperature=TEMPERATURE, generator=gen, method="weaver",
-                                budget=6, adapter=adapter, sampling=sampling, width=3)[0] for _ in range(trials)]
+                                budget=6, adapter=adapter, sampling=sampling, children=3)[0] for _ in range(trials)]
     return torch.tensor(out)
 
 

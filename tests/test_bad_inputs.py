@@ -238,7 +238,7 @@ CASES = [
     ("chain budget past the block", lambda m, t: spec(m, method="chain", budget=9),
      "budget 9 is more than a chain tree can hold: at most 5 draft nodes (one node per drafted position, "
      "block_size - 1 = 5)"),
-    ("weaver budget past its tree", lambda m, t: spec(m, method="weaver", budget=63, adapter=m.adapter, width=2),
+    ("weaver budget past its tree", lambda m, t: spec(m, method="weaver", budget=63, adapter=m.adapter, children=2),
      "budget 63 is more than a weaver tree can hold: at most 62 draft nodes (depth 5 x 2 children per node)"),
     ("ddtree budget past its tree",  # a block of 2: one drafted position, so at most every token of the vocabulary
      lambda m, t: spec(m, method="ddtree", budget=98, drafter=Drafter(drafter_config(new_drafter_config(m.target, 1, 2, 2))),),
@@ -265,9 +265,9 @@ CASES = [
     ("SGLang interpreter missing", lambda m, t: sglang_python(eval_config(sglang={"python": "/no/such/python"})),
      "eval.sglang.python: no interpreter at /no/such/python"),
     # --- Weaver search settings ---
-    ("more search children than the adapter's pool", lambda m, t: spec(m, method="weaver", budget=8, adapter=m.adapter, width=32),
+    ("more search children than the adapter's pool", lambda m, t: spec(m, method="weaver", budget=8, adapter=m.adapter, children=32),
      "weaver.search.children=32 is more than the adapter's pool of 16 candidates per position (weaver.pool_size): at most 16"),
-    ("zero search children", lambda m, t: spec(m, method="ddtree", budget=4, width=0),
+    ("zero search children", lambda m, t: spec(m, method="ddtree", budget=4, children=0),
      "weaver.search.children must be a whole number >= 1, got 0"),
     ("zero nodes per call", lambda m, t: spec(m, method="weaver", budget=4, adapter=m.adapter, nodes_per_call=0),
      "weaver.search.nodes_per_call must be a whole number >= 1 or null, got 0"),

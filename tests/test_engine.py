@@ -158,7 +158,7 @@ def test_a_method_added_by_one_registry_entry_is_decoded_and_evaluated(target, p
     from weaver.eval.run import check_names, method_spec
 
     def sharpened(step, search):
-        return marginal_tree(step.anchor, 2 * step.draft.logits[0], search.budget, search.width, search.generator,
+        return marginal_tree(step.anchor, 2 * step.draft.logits[0], search.budget, search.children, search.generator,
                              search.temperature)
 
     monkeypatch.setitem(TREE_METHODS, "sharpened", TreeMethod(sharpened, vocabulary_limit))

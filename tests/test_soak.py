@@ -133,7 +133,7 @@ def soak_one(target: TargetModel, models: tuple[Drafter, WeaverAdapter], prompt:
     monkeypatch.setattr(target, "commit", recorder.commit)
     out, stats = speculative_generate(target, soak_drafter, prompt, size.new_tokens, temperature,
                                       generator=torch.Generator().manual_seed(len(prompt)), method=method,
-                                      budget=BUDGETS[method], adapter=adapter, sampling=sampling, width=4)
+                                      budget=BUDGETS[method], adapter=adapter, sampling=sampling, children=4)
     monkeypatch.undo()
     recorder.compare()  # the state after the last commit
     assert stats.accepted == recorder.accepted

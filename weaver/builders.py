@@ -51,13 +51,13 @@ class StepInputs:
 @dataclass(frozen=True)
 class SearchConfig:
     """How a step's tree is grown: `budget` draft nodes; children drawn without replacement when a generator
-    is given, else greedy; `width` children per node of the Weaver search; `nodes_per_call` nodes the Weaver
+    is given, else greedy; `children` per node of the Weaver search (`weaver.search.children`); `nodes_per_call` nodes the Weaver
     and oracle searches expand per adapter / target call (default ceil(budget / 16), or with `anytime`
     ceil(tree size so far / 16), so that any budget's tree is a prefix of a larger one's: `budget: auto`);
     `compiled`: the Weaver search's adapter step through torch.compile."""
 
     budget: int
-    width: int = 8
+    children: int = 8
     nodes_per_call: int | None = None
     generator: torch.Generator | None = None
     temperature: float = 1.0
@@ -186,7 +186,7 @@ def weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
                        candidates[depths])
         return (scores / search.temperature).log_softmax(-1), pool_tokens[depths]
 
-    return best_first_tree(step.anchor, search.budget, len(draft_logits), logprobs, min(search.width, adapter.cfg.pool_size),
+    return best_first_tree(step.anchor, search.budget, len(draft_logits), logprobs, min(search.children, adapter.cfg.pool_size),
                            search.per_call(), search.generator, vocab_size=draft_logits.shape[-1], device=candidates.device)
 
 
@@ -202,19 +202,19 @@ def max_tree_nodes(max_depth: int, branching: int) -> int:
     return total
 
 
-def chain_limit(max_depth: int, vocab_size: int, width: int, pool_size: int | None) -> tuple[int, str]:
+def chain_limit(max_depth: int, vocab_size: int, children: int, pool_size: int | None) -> tuple[int, str]:
     """A chain holds one node per drafted position: the drafter's block (block_size - 1 = max_depth)."""
     return max_depth, f"one node per drafted position, block_size - 1 = {max_depth}"
 
 
-def vocabulary_limit(max_depth: int, vocab_size: int, width: int, pool_size: int | None) -> tuple[int, str]:
+def vocabulary_limit(max_depth: int, vocab_size: int, children: int, pool_size: int | None) -> tuple[int, str]:
     """Every path of at most max_depth tokens of the vocabulary (DDTree, the oracle)."""
     return max_tree_nodes(max_depth, vocab_size), f"depth {max_depth} x vocabulary {vocab_size}"
 
 
-def search_width_limit(max_depth: int, vocab_size: int, width: int, pool_size: int | None) -> tuple[int, str]:
-    """`width` children per node, at most the adapter's pool (the Weaver search)."""
-    branching = min(width, pool_size or width)
+def search_children_limit(max_depth: int, vocab_size: int, children: int, pool_size: int | None) -> tuple[int, str]:
+    """`children` per node, at most the adapter's pool (the Weaver search)."""
+    branching = min(children, pool_size or children)
     return max_tree_nodes(max_depth, branching), f"depth {max_depth} x {branching} children per node"
 
 
@@ -231,7 +231,7 @@ def check_budget(budget: int, limit: int | None = None, method: str = "tree", wh
 
 @dataclass(frozen=True)
 class TreeMethod:
-    """One tree method: its builder, the most draft nodes its tree can hold (max_depth, vocab_size, width,
+    """One tree method: its builder, the most draft nodes its tree can hold (max_depth, vocab_size, children,
     adapter pool) -> (limit, why), the models it needs besides the target and the drafter, and whether the
     eval measures it at the drafter's whole block instead of at each budget (the chain)."""
 
@@ -250,7 +250,7 @@ TREE_METHODS: dict[str, TreeMethod] = {
     "ddtree": TreeMethod(lambda step, search: ddtree(step.anchor, step.draft.logits[0], search.budget, search.generator,
                                                      search.temperature),
                          vocabulary_limit),
-    "weaver": TreeMethod(weaver_tree, search_width_limit, needs=("adapter",)),
+    "weaver": TreeMethod(weaver_tree, search_children_limit, needs=("adapter",)),
     "oracle": TreeMethod(oracle_tree, vocabulary_limit),
 }
 

@@ -61,12 +61,12 @@ class PhaseClock:
         self.last = now
 
 
-DEFAULT_WIDTH = 8  # the Weaver search's children per node when none is given (at most the adapter's pool)
+DEFAULT_CHILDREN = 8  # the Weaver search's children per node when none is given (at most the adapter's pool)
 
 
 def check_request(
     target: TargetModel, drafter: Drafter, prompt: list[int], max_new_tokens: int, temperature: float, method: str,
-    budget: "int | BudgetPlanner | None", adapter: WeaverAdapter | None, sampling: str, width: int,
+    budget: "int | BudgetPlanner | None", adapter: WeaverAdapter | None, sampling: str, children: int,
     nodes_per_call: int | None,
 ) -> int:
     """Refuse a bad speculative request before any model runs, with one clear message; returns the largest
@@ -79,8 +79,8 @@ def check_request(
     check_prompt(target.cfg, prompt, max_new_tokens)
     if isinstance(drafter, Drafter):
         check_pair(target, drafter)
-    if not is_count(width):
-        raise WeaverError(f"weaver.search.children must be a whole number >= 1, got {width!r}")
+    if not is_count(children):
+        raise WeaverError(f"weaver.search.children must be a whole number >= 1, got {children!r}")
     if nodes_per_call is not None and not is_count(nodes_per_call):
         raise WeaverError(f"weaver.search.nodes_per_call must be a whole number >= 1 or null, got {nodes_per_call!r}")
     depth = drafter.cfg.block_size - 1
@@ -90,10 +90,10 @@ def check_request(
             raise WeaverError(f"method '{method}' needs a trained adapter (stage `weaver` of train.py)")
         check_adapter_fits(adapter.cfg, target, depth)
         pool = adapter.cfg.pool_size
-        if width > pool:
-            raise WeaverError(f"weaver.search.children={width} is more than the adapter's pool of {pool} candidates "
+        if children > pool:
+            raise WeaverError(f"weaver.search.children={children} is more than the adapter's pool of {pool} candidates "
                               f"per position (weaver.pool_size): at most {pool}")
-    limit, why = kind.limit(depth, target.cfg.vocab_size, width, pool)
+    limit, why = kind.limit(depth, target.cfg.vocab_size, children, pool)
     if isinstance(budget, BudgetPlanner):
         for candidate in budget.candidates:
             check_budget(candidate, limit, method, why)
@@ -116,7 +116,7 @@ def speculative_generate(
     budget: int | BudgetPlanner | None = None,
     adapter: WeaverAdapter | None = None,
     sampling: str = "rrs",
-    width: int | None = None,
+    children: int | None = None,
     nodes_per_call: int | None = None,
     compiled: bool = False,
 ) -> tuple[list[int], SpecStats]:
@@ -129,16 +129,16 @@ def speculative_generate(
     sampling; `target_only` verifies the greedy tree by sampling from the target alone. Both are lossless.
     compiled: run the target's verify pass (`TargetModel.verify`) and the Weaver search's adapter step
     (`WeaverAdapter.scorer`) compiled; trees can differ from eager ones only at float near-ties of the
-    adapter's scores, and greedy acceptance only at near-ties of the target's logits (tested equal). width: the
+    adapter's scores, and greedy acceptance only at near-ties of the target's logits (tested equal). children: the
     Weaver search's children per node (default 8, or the adapter's pool when smaller).
 
     Bad input (`check_request`) raises `WeaverError` before any model runs; so do NaN/inf logits of the
     target or the drafter (and NaN scores of the adapter), naming the step, instead of a wrong token.
     """
-    if width is None:
-        width = min(DEFAULT_WIDTH, adapter.cfg.pool_size) if adapter is not None else DEFAULT_WIDTH
+    if children is None:
+        children = min(DEFAULT_CHILDREN, adapter.cfg.pool_size) if adapter is not None else DEFAULT_CHILDREN
     max_budget = check_request(target, drafter, prompt, max_new_tokens, temperature, method, budget, adapter, sampling,
-                               width, nodes_per_call)
+                               children, nodes_per_call)
     planner = budget if isinstance(budget, BudgetPlanner) else None
     budget = max_budget
     device = target.embed.weight.device
@@ -165,7 +165,7 @@ def speculative_generate(
         check_finite(draft.logits, "the drafter's logits", f"at speculative step {step}")
         clock.lap("draft")
         proposal = propose(method, StepInputs(int(anchor), draft, hidden, target, cache, adapter), SearchConfig(
-            step_budget, width, nodes_per_call, generator if drawn else None, temperature if drawn else 1.0, compiled,
+            step_budget, children, nodes_per_call, generator if drawn else None, temperature if drawn else 1.0, compiled,
             anytime=planner is not None))
         tree = proposal.tree
         if scored_by_adapter:

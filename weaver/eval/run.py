@@ -156,7 +156,7 @@ def _decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, gene
     e = cfg.eval
     extra = {name: models[name] for name in method_spec(method).needs if name != "drafter"}
     search = cfg.weaver.search
-    options = dict(sampling=e.sampling, width=search.children, nodes_per_call=search.nodes_per_call, compiled=e.compile,
+    options = dict(sampling=e.sampling, children=search.children, nodes_per_call=search.nodes_per_call, compiled=e.compile,
                    **extra)
     max_new_tokens = max_new_tokens or e.max_new_tokens
     return lambda prompt, budget: speculative_generate(models["target"], models["drafter"], prompt, max_new_tokens,

@@ -6,8 +6,8 @@ for the drafter, and needs a fast batch-1 decode step. Weights load from HF chec
 (`weaver.models.checkpoint`); logits match transformers for the same weights (tests/test_target_equivalence.py).
 
 Every layer reads the tokens of one forward call through a `Step`: their positions and the attention
-mask against the cache. Tree verification (docs/method.md §2.5-2.6) is another kind of Step, carrying parent
-pointers, that the mixers dispatch on; the layers themselves do not change.
+mask against the cache. Tree verification (docs/method.md §2.5-2.6) is another kind of Step, carrying the
+tree, that the mixers dispatch on; each mixer commits its own part of an accepted path (`commit`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.dispatch import TreeInputError, use_triton
-from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
+from kernels.gdn_tree import GDNTreePending, gdn_tree_commit_, gdn_tree_verify
 from kernels.gdn_tree.reference import gdn_gates
 from kernels.tree_attention import tree_attention
-from kernels.tree_conv import conv_windows, tree_conv1d, tree_conv_commit_
+from kernels.tree_conv import TreeConvPending, conv_windows, tree_conv1d, tree_conv_commit_
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
 from weaver.models.config import TargetConfig
@@ -47,7 +47,15 @@ class Step:
     tree: Tree | None = None  # verification: the new tokens form this tree and nothing is committed
     ancestors: torch.Tensor | None = None  # the tree's (T, T) ancestors-or-self and (T, kernel) conv windows,
     conv_index: torch.Tensor | None = None  # built once per verify and shared by every layer
-    pending: dict[int, Any] = field(default_factory=dict)  # per GDN layer, what `commit` needs
+    pending: dict[int, GDNLayerPending] = field(default_factory=dict)  # per GDN layer, what `commit` needs
+
+
+@dataclass
+class GDNLayerPending:
+    """What one GDN layer's verify leaves for its commit (its committed states are untouched until then)."""
+
+    state: GDNTreePending
+    conv: TreeConvPending
 
 
 @dataclass
@@ -56,7 +64,7 @@ class Pending:
 
     tree: Tree
     start: int  # cache slot of node 0
-    layers: dict[int, Any]  # GDN layer -> (PendingGDN, conv buffer)
+    layers: dict[int, GDNLayerPending]
 
 
 @dataclass
@@ -117,6 +125,13 @@ class Attention(nn.Module):
             o = o * torch.sigmoid(gate)
         return self.o(o)
 
+    def commit(self, cache: ModelCache, pending: Pending, path: torch.Tensor) -> None:
+        """Move the accepted path's keys/values to consecutive slots after the context (a no-op for a chain
+        prefix)."""
+        start, n = pending.start, len(path)
+        for kv in (cache.keys[self.layer], cache.values[self.layer]):
+            kv[:, :, start : start + n] = kv[:, :, start + path]
+
 
 class GatedDeltaNet(nn.Module):
     """Qwen3.5 GDN mixer: fused input projection, short causal conv, gated delta rule, gated RMSNorm."""
@@ -174,7 +189,7 @@ class GatedDeltaNet(nn.Module):
             o, gdn_pending = gdn_tree_verify(
                 q, k, v, a, b, self.A_log, self.dt_bias, cache.recurrent[self.layer], tree, ancestors=step.ancestors
             )
-            step.pending[self.layer] = (gdn_pending, conv_pending)
+            step.pending[self.layer] = GDNLayerPending(gdn_pending, conv_pending)
         elif cache is None:
             o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
         elif T == 1:  # decode: update the cached state in place
@@ -188,11 +203,12 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.to(x.dtype).reshape(B, T, self.value_dim))
 
 
-    def commit(self, cache: ModelCache, pending: Any, leaf: int) -> None:
-        """Commit the root-to-leaf path: one rank-|path| state update and the path's last conv inputs."""
-        gdn_pending, conv_pending = pending
-        gdn_tree_commit_(cache.recurrent[self.layer], gdn_pending, leaf)
-        tree_conv_commit_(cache.conv[self.layer], conv_pending, leaf)
+    def commit(self, cache: ModelCache, pending: Pending, path: torch.Tensor) -> None:
+        """Commit the accepted root-to-leaf path: one rank-|path| state update and the path's last conv
+        inputs."""
+        mine, leaf = pending.layers[self.layer], int(path[-1])
+        gdn_tree_commit_(cache.recurrent[self.layer], mine.state, leaf)
+        tree_conv_commit_(cache.conv[self.layer], mine.conv, leaf)
 
 
 class DecoderLayer(nn.Module):
@@ -238,15 +254,9 @@ class TargetModel(nn.Module):
         p = self.embed.weight
         return ModelCache.empty(self.cfg, batch_size, max_len, p.dtype, p.device)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        cache: ModelCache | None = None,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        tap_layers: tuple[int, ...] = (),
-        logits_to_keep: int | None = None,
-    ) -> TargetOutput:
+    def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None, *,
+                attention_mask: torch.Tensor | None = None, tap_layers: tuple[int, ...] = (),
+                logits_to_keep: int | None = None) -> TargetOutput:
         """Run new tokens (B, T), appending them to `cache` if given.
 
         attention_mask (B, T): 1 for real tokens, 0 for left padding (first call on a cache only).
@@ -326,12 +336,7 @@ class TargetModel(nn.Module):
         path = pending.tree.path_to(leaf)
         start, n = pending.start, len(path)
         for layer in self.layers:
-            mixer = layer.mixer
-            if isinstance(mixer, GatedDeltaNet):
-                mixer.commit(cache, pending.layers[mixer.layer], leaf)
-            else:  # move the path's keys/values to consecutive slots (a no-op for a chain prefix)
-                for kv in (cache.keys[mixer.layer], cache.values[mixer.layer]):
-                    kv[:, :, start : start + n] = kv[:, :, start + path]
+            layer.mixer.commit(cache, pending, path)
         cache.valid[:, start : start + n] = True
         cache.next_position = cache.next_position + n
         cache.length = start + n

@@ -6,7 +6,7 @@ declared in pyproject.toml), so `--speculative-algorithm WEAVER` (or DDTREE) res
 ("Serving with SGLang").
 
 Settings: `--speculative-draft-model-path` is our drafter (DFlash format), `--speculative-num-draft-tokens`
-the tree size (budget + 1, default 16); the Weaver adapter and the search's width come from the environment
+the tree size (budget + 1, default 16); the Weaver adapter and the search's children per node come from the environment
 (SGLang's argument parser is not ours to extend): WEAVER_ADAPTER=<adapter folder>, WEAVER_CHILDREN,
 WEAVER_NODES_PER_CALL, and WEAVER_TRACE=<file>: every step of every request as a JSON line (prompt,
 position, the drafter's top logits per depth, the tree, drafts accepted), to compare a served run with
@@ -31,7 +31,7 @@ class WorkerSettings:
     """The worker's settings that SGLang's arguments cannot carry."""
 
     adapter: str | None
-    width: int
+    children: int
     nodes_per_call: int | None
     trace: str | None
 

@@ -246,7 +246,7 @@ class TreeWorker(BaseSpecWorker):
         draft = self.drafter.draft(self.head, state.context, torch.tensor([anchor], device=self.device),
                                    torch.tensor([seq_len], device=self.device), max_depth=budget)
         state.proposal = propose(self.method, StepInputs(anchor, draft, state.last_hidden, self.head, adapter=self.adapter),
-                                 SearchConfig(budget, self.settings.width, self.settings.nodes_per_call, state.generator,
+                                 SearchConfig(budget, self.settings.children, self.settings.nodes_per_call, state.generator,
                                               state.temperature or 1.0))
         if self.settings.trace:  # the trace's fingerprint of the drafter's inputs; off the hot path otherwise
             state.top_logits = draft.logits[0].topk(TRACE_TOP).values
