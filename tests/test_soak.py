@@ -30,7 +30,8 @@ from weaver.generate import generate
 from weaver.models.adapter import WeaverAdapter
 from weaver.models.cache import ModelCache
 from weaver.models.drafter import Draft, Drafter, DrafterCache
-from weaver.models.target import Pending, TargetModel
+from weaver.models.steps import Pending
+from weaver.models.target import TargetModel
 
 
 @dataclass(frozen=True)

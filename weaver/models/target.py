@@ -5,15 +5,15 @@ the cache (tree verification must leave the committed state untouched), needs ta
 for the drafter, and needs a fast batch-1 decode step. Weights load from HF checkpoints
 (`weaver.models.checkpoint`); logits match transformers for the same weights (tests/test_target_equivalence.py).
 
-Every layer reads the tokens of one forward call through a `Step`: their positions and the attention
-mask against the cache. Tree verification (docs/method.md §2.5-2.6) is another kind of Step, carrying the
-tree, that the mixers dispatch on; each mixer commits its own part of an accepted path (`commit`).
+Every layer reads the tokens of one forward call through a `Step` (`weaver.models.steps`): their positions
+and the attention mask against the cache. A tree verification step (docs/method.md §2.5-2.6) carries the
+tree and goes to each mixer's `forward_tree`, which only reads the committed cache; each mixer then commits
+its own part of an accepted path (`commit`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,57 +21,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.dispatch import TreeInputError, use_triton
-from kernels.gdn_tree import GDNTreePending, gdn_tree_commit_, gdn_tree_verify
+from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
 from kernels.gdn_tree.reference import gdn_gates
 from kernels.tree_attention import tree_attention
-from kernels.tree_conv import TreeConvPending, conv_windows, tree_conv1d, tree_conv_commit_
+from kernels.tree_conv import conv_windows, tree_conv1d, tree_conv_commit_
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
 from weaver.models.config import TargetConfig
 from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_
 from weaver.models.layers import MLP, RMSNorm, apply_rope, rms_norm, rope_tables
+from weaver.models.steps import GDNLayerPending, Pending, Step, TargetOutput
 from weaver.tree import Tree
-
-
-@dataclass
-class Step:
-    """What every layer needs to know about the tokens of one forward call."""
-
-    positions: torch.Tensor  # (B, T) position ids (RoPE)
-    cos: torch.Tensor  # (B, T, 1, rotary_dim)
-    sin: torch.Tensor
-    start: int  # first cache slot the new tokens occupy (0 without a cache)
-    attn_mask: torch.Tensor | None = None  # (B, 1, T, start + T) bool, or None when `is_causal`/unmasked suffices
-    is_causal: bool = False  # a prefill of unpadded tokens on an empty cache
-    token_mask: torch.Tensor | None = None  # (B, T) 1 for real tokens, 0 for left padding; None when no padding
-    tree: Tree | None = None  # verification: the new tokens form this tree and nothing is committed
-    ancestors: torch.Tensor | None = None  # the tree's (T, T) ancestors-or-self and (T, kernel) conv windows,
-    conv_index: torch.Tensor | None = None  # built once per verify and shared by every layer
-    pending: dict[int, GDNLayerPending] = field(default_factory=dict)  # per GDN layer, what `commit` needs
-
-
-@dataclass
-class GDNLayerPending:
-    """What one GDN layer's verify leaves for its commit (its committed states are untouched until then)."""
-
-    state: GDNTreePending
-    conv: TreeConvPending
-
-
-@dataclass
-class Pending:
-    """A verified tree not yet committed: accepted nodes are committed by `TargetModel.commit`."""
-
-    tree: Tree
-    start: int  # cache slot of node 0
-    layers: dict[int, GDNLayerPending]
-
-
-@dataclass
-class TargetOutput:
-    logits: torch.Tensor | None  # (B, T_kept, V)
-    hidden: torch.Tensor  # final-norm hidden states (B, T, H)
-    taps: list[torch.Tensor] = field(default_factory=list)  # outputs of the requested decoder layers
 
 
 def verify_size(nodes: int) -> int:
@@ -95,6 +55,23 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_offset)
 
     def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
+        H, Hkv, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        q, k, v, gate = self.project(x, step, cache)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.attn_mask, is_causal=step.is_causal, scale=D**-0.5,
+                                           enable_gqa=Hkv != H)
+        return self.output(o, gate)
+
+    def forward_tree(self, x: torch.Tensor, step: Step, cache: ModelCache) -> torch.Tensor:
+        """Verify: each node attends to the committed context (valid slots) and its ancestors-or-self; its
+        keys/values go to scratch slots that `commit` compacts."""
+        q, k, v, gate = self.project(x, step, cache)
+        o = tree_attention(q, k, v, step.tree, prefix_valid=cache.valid[:, : step.start],
+                           scale=self.cfg.head_dim**-0.5, ancestors=step.ancestors)
+        return self.output(o, gate)
+
+    def project(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> tuple[torch.Tensor, ...]:
+        """q (B, H, T, D) and, after the new tokens are written to the cache, k and v over every slot so far;
+        the output gate (B, T, H*D) or None."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -113,14 +90,11 @@ class Attention(nn.Module):
             cache.keys[self.layer][:, :, step.start : end] = k
             cache.values[self.layer][:, :, step.start : end] = v
             k, v = cache.keys[self.layer][:, :, :end], cache.values[self.layer][:, :, :end]
-        if step.tree is not None:  # verify: committed context (valid slots) + ancestors-or-self
-            o = tree_attention(q, k, v, step.tree, prefix_valid=cache.valid[:, : step.start], scale=D**-0.5,
-                               ancestors=step.ancestors)
-        else:
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=step.attn_mask, is_causal=step.is_causal, scale=D**-0.5, enable_gqa=Hkv != H
-            )
-        o = o.transpose(1, 2).reshape(B, T, H * D)
+        return q, k, v, gate
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        B, _, T, _ = o.shape
+        o = o.transpose(1, 2).reshape(B, T, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o(o)
@@ -168,29 +142,14 @@ class GatedDeltaNet(nn.Module):
         return F.silu(out).transpose(1, 2), buffer
 
     def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
-        cfg = self.cfg
-        B, T, _ = x.shape
+        T = x.shape[1]
         mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
         if step.token_mask is not None:  # left padding contributes nothing to conv or state
             mixed = mixed * step.token_mask[..., None].to(mixed.dtype)
-        tree = step.tree if cache is not None else None
-        if tree is not None:  # verify: read the committed conv state and GDN state, write nothing
-            mixed, conv_pending = tree_conv1d(mixed, self.conv_weight, cache.conv[self.layer], tree,
-                                              conv_index=step.conv_index)
-        else:
-            mixed, conv_buffer = self.conv(mixed, cache.conv[self.layer] if cache is not None else None)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-        k = k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-        v = v.reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-        if tree is None:  # the tree kernels compute the gates from the raw projections themselves
-            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-        if tree is not None:
-            o, gdn_pending = gdn_tree_verify(
-                q, k, v, a, b, self.A_log, self.dt_bias, cache.recurrent[self.layer], tree, ancestors=step.ancestors
-            )
-            step.pending[self.layer] = GDNLayerPending(gdn_pending, conv_pending)
-        elif cache is None:
+        mixed, conv_buffer = self.conv(mixed, cache.conv[self.layer] if cache is not None else None)
+        q, k, v = self.heads(mixed)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        if cache is None:
             o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
         elif T == 1:  # decode: update the cached state in place
             o = gated_delta_step_(q, k, v, g, beta, cache.recurrent[self.layer])
@@ -199,9 +158,33 @@ class GatedDeltaNet(nn.Module):
             o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, cache.recurrent[self.layer])
             cache.conv[self.layer].copy_(conv_buffer[..., -(self.conv_weight.shape[1] - 1) :])
             cache.recurrent[self.layer].copy_(new_state)
-        o = rms_norm(o, self.norm_weight, cfg.rms_norm_eps) * F.silu(z.view_as(o).float())
-        return self.out_proj(o.to(x.dtype).reshape(B, T, self.value_dim))
+        return self.output(o, z, x)
 
+    def forward_tree(self, x: torch.Tensor, step: Step, cache: ModelCache) -> torch.Tensor:
+        """Verify: every node continues its own path from the committed conv and GDN states, which are only
+        read; what `commit` needs is left in `step.pending`. The tree kernels compute the gates themselves."""
+        mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
+        mixed, conv_pending = tree_conv1d(mixed, self.conv_weight, cache.conv[self.layer], step.tree,
+                                          conv_index=step.conv_index)
+        q, k, v = self.heads(mixed)
+        o, gdn_pending = gdn_tree_verify(q, k, v, a, b, self.A_log, self.dt_bias, cache.recurrent[self.layer], step.tree,
+                                         ancestors=step.ancestors)
+        step.pending[self.layer] = GDNLayerPending(gdn_pending, conv_pending)
+        return self.output(o, z, x)
+
+    def heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv outputs (B, T, C) as q, k (B, T, H, d_k) and v (B, T, HV, d_v)."""
+        cfg, (B, T, _) = self.cfg, mixed.shape
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
+                k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
+                v.reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim))
+
+    def output(self, o: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm (fp32) and the output projection, back in x's dtype."""
+        B, T, _ = x.shape
+        o = rms_norm(o, self.norm_weight, self.cfg.rms_norm_eps) * F.silu(z.view_as(o).float())
+        return self.out_proj(o.to(x.dtype).reshape(B, T, self.value_dim))
 
     def commit(self, cache: ModelCache, pending: Pending, path: torch.Tensor) -> None:
         """Commit the accepted root-to-leaf path: one rank-|path| state update and the path's last conv
@@ -220,7 +203,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
-        x = x + self.mixer(self.input_norm(x), step, cache)
+        h = self.input_norm(x)
+        x = x + (self.mixer(h, step, cache) if step.tree is None else self.mixer.forward_tree(h, step, cache))
         return x + self.mlp(self.post_norm(x))
 
 
