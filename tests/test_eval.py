@@ -82,13 +82,14 @@ def test_settings_added_later_keep_existing_keys_at_their_old_behaviour():
     """`pipeline.ADDED_LATER`: a setting at the value that reproduces earlier artifacts leaves every key as it
     was without the setting; any other value retrains what reads it."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
     from weaver.pipeline import ADDED_LATER, ROOT_CONF, STAGES, stage_key
 
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
         cfg = compose("train", overrides=["+experiment=tiny"])
     keys = {name: stage_key(cfg, name) for name in STAGES}
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg))  # untyped: a schema's fields cannot be deleted
     with open_dict(cfg):
         for group, added in ADDED_LATER.items():
             node = cfg
@@ -119,3 +120,28 @@ def test_gpu_scripts_compose_to_evals_the_sglang_backend_accepts(script):
     check_names(cfg)
     check_sglang_eval(cfg)
     assert cfg.eval.backend == "sglang" and "weaver" in cfg.eval.methods
+
+
+@pytest.mark.parametrize("override", ["drafter.train.steps=many", "weaver.train.stepz=3", "model.train.lr=fast",
+                                      "weaver.train.loss.kl=high"])
+def test_training_settings_are_checked_by_their_schema(override):
+    """Every stage's `train:` block is typed (weaver/train/config.py): a misspelt key or a value of the wrong
+    type stops the composition; `eval_every: null` means "only at the end"."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from weaver.pipeline import ROOT_CONF
+
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException):
+            compose("train", overrides=["+experiment=tiny", override])
+        cfg = compose("train", overrides=["+experiment=tiny", "model.train.eval_every=null"])
+    assert cfg.model.train.eval_every is None and cfg.drafter.train.eval_every is None
+
+
+def test_never_evaluate_spelt_old_or_new_keeps_the_artifact_keys():
+    """`eval_every: null` ("never") hashes as its old spelling 1000000 (pipeline.RESPELLED): artifacts
+    trained before keep their keys; a real evaluation interval still changes them."""
+    keys = _artifact_keys("train")
+    assert _artifact_keys("train", "drafter.train.eval_every=1000000", "weaver.train.eval_every=1000000") == keys
+    assert _artifact_keys("train", "weaver.train.eval_every=50")["weaver"] != keys["weaver"]

@@ -21,6 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from weaver.errors import WeaverError
 from weaver.io import atomic_write_json, remove_stale_temporaries
+from weaver.train.config import register_schemas
+
+register_schemas()  # the stages' training settings are typed (conf/*: `/schema/train/<stage>`)
 
 
 def _package_dir(name: str) -> str:
@@ -132,21 +135,26 @@ HASHED_ELSEWHERE = {"rollouts": ("store_states",)}
 # Settings added after artifacts were built, at the value that reproduces what was built before: at that
 # value they stay out of the key, so existing artifacts remain valid (any other value changes the key).
 ADDED_LATER = {"rollouts": {"samples_per_prompt": 1}, "weaver.train": {"heldout_rollouts": 0}}
+# Settings whose spelling of a value changed: (new, old), hashed as the old spelling so that artifacts built
+# before stay valid ("never evaluate" was `eval_every: 1000000`, now `null`, for the drafter and adapter).
+RESPELLED = {group: {"eval_every": (None, 1000000)} for group in ("drafter.train", "weaver.train")}
 
 
 def _trained_on(cfg: DictConfig, group: str) -> dict:
     """The config group `group` without its inference-only settings: what a training stage hashes."""
     settings = OmegaConf.to_container(cfg[group], resolve=True)
     skip = INFERENCE_ONLY.get(group, ()) + HASHED_ELSEWHERE.get(group, ())
-    return _without_added_defaults({k: v for k, v in settings.items() if k not in skip}, group)
+    return _as_hashed({k: v for k, v in settings.items() if k not in skip}, group)
 
 
-def _without_added_defaults(settings: dict, group: str) -> dict:
+def _as_hashed(settings: dict, group: str) -> dict:
+    """Settings as the key hashes them: ADDED_LATER ones at their old value left out, RESPELLED ones old-spelt."""
     for key, value in settings.items():
         if isinstance(value, dict):
-            settings[key] = _without_added_defaults(value, f"{group}.{key}")
-    added = ADDED_LATER.get(group, {})
-    return {k: v for k, v in settings.items() if k not in added or v != added[k]}
+            settings[key] = _as_hashed(value, f"{group}.{key}")
+    added, respelled = ADDED_LATER.get(group, {}), RESPELLED.get(group, {})
+    settings = {k: v for k, v in settings.items() if k not in added or v != added[k]}
+    return {k: respelled[k][1] if k in respelled and v == respelled[k][0] else v for k, v in settings.items()}
 
 
 STAGES: dict[str, Stage] = {

@@ -208,7 +208,7 @@ def fit(
             if step % train.log_every == 0 or step == train.steps:
                 bar.set_postfix({k: f"{v:.3g}" for k, v in metrics.items() if k != "lr"})
                 accelerator.log(metrics, step=step)
-            if evaluate is not None and (step % train.eval_every == 0 or step == train.steps):
+            if evaluate is not None and ((train.eval_every and step % train.eval_every == 0) or step == train.steps):
                 model.eval()
                 with accelerator.autocast():
                     metrics.update(evaluate(model))
