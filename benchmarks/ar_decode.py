@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 sys.modules.setdefault("fla", None)  # transformers must use its pure-torch GDN path on CPU
 
 import torch  # noqa: E402
+from timing import print_table_header, timed  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from weaver.generate import generate  # noqa: E402
@@ -24,20 +24,15 @@ from weaver.models.checkpoint import load_target  # noqa: E402
 
 
 def time_ours(model, prompt: list[int], new_tokens: int, compiled: bool = False) -> tuple[float, list[int]]:
-    start = time.perf_counter()
-    out = generate(model, [prompt], new_tokens, compiled=compiled)[0]
-    return time.perf_counter() - start, out
+    return timed(lambda: generate(model, [prompt], new_tokens, compiled=compiled)[0])
 
 
 @torch.inference_mode()
 def time_transformers(model, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
     ids = torch.tensor([prompt])
-    start = time.perf_counter()
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, pad_token_id=0,
-    )
-    return time.perf_counter() - start, out[0, len(prompt):].tolist()
+    seconds, out = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0))
+    return seconds, out[0, len(prompt):].tolist()
 
 
 def main() -> None:
@@ -58,9 +53,9 @@ def main() -> None:
     theirs.generation_config.eos_token_id = None  # decode exactly --new-tokens tokens
     prompt = torch.randint(3, ours.cfg.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
 
-    start = time.perf_counter()
-    time_ours(ours, prompt, 8), time_ours(ours, prompt, 8, compiled=True), time_transformers(theirs, prompt, 8)
-    print(f"warm-up (includes torch.compile of our decode step): {time.perf_counter() - start:.0f} s")
+    warm_up = timed(lambda: (time_ours(ours, prompt, 8), time_ours(ours, prompt, 8, compiled=True),
+                             time_transformers(theirs, prompt, 8)))[0]
+    print(f"warm-up (includes torch.compile of our decode step): {warm_up:.0f} s")
     seconds: dict[str, list[float]] = {"eager": [], "compiled": [], "transformers": []}
     tokens: dict[str, list[int]] = {}
     for _ in range(args.repeats):  # interleaved, so drifts in machine load hit all three alike
@@ -74,8 +69,7 @@ def main() -> None:
     print(f"model {folder} ({ours.cfg.model_type}, {sum(p.numel() for p in ours.parameters()) / 1e6:.2f}M params), "
           f"batch 1, {args.prompt_tokens} prompt + {args.new_tokens} new tokens, {args.threads} threads, "
           f"median of {args.repeats}")
-    print("| decoder | tokens/s | ms/token | vs transformers |")
-    print("|---|---|---|---|")
+    print_table_header("decoder", "tokens/s", "ms/token", "vs transformers")
     for name, label in [("eager", "weaver, eager"), ("compiled", "weaver, torch.compile"), ("transformers", "transformers generate")]:
         print(f"| {label} | {tps[name]:.1f} | {1000 / tps[name]:.2f} | {tps[name] / tps['transformers']:.2f}x |")
     print(f"identical greedy tokens (all three): {same}")

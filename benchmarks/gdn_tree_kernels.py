@@ -24,14 +24,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from kernels.gdn_tree import gdn_tree_verify
-from kernels.tree_mask import tree_ancestor_mask
 from kernels.gdn_tree.reference import gdn_gates
+from kernels.tree_mask import tree_ancestor_mask
+from timing import print_table_header, timed
 from weaver.models.gdn import per_branch_tree_gated_delta_rule
 from weaver.tree import Tree
 
@@ -60,12 +60,7 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
         return triton.testing.do_bench(fn, warmup=25, rep=max(repeats, 1) * 10, return_mode="median")
     fn()  # warm-up (interpreter: builds the kernel wrappers)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return 1000 * statistics.median(timed(fn)[0] for _ in range(repeats))
 
 
 def main() -> None:
@@ -96,8 +91,7 @@ def main() -> None:
     H, HV, D = args.heads, args.value_heads, args.dim
     print(f"GDN tree verify, one layer, H={H}, HV={HV}, K=V={D}, {device}, per-branch = {baseline}, "
           f"dot precision {args.dot_precision}, {args.keys} keys; GPU times are medians (ms)")
-    print("| T | batch | dtype | fused ms | per-branch ms | ratio | paper ratio | max abs diff |")
-    print("|---|---|---|---|---|---|---|---|")
+    print_table_header("T", "batch", "dtype", "fused ms", "per-branch ms", "ratio", "paper ratio", "max abs diff")
     gen = torch.Generator().manual_seed(0)
     for dtype_name in args.dtypes:
         dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from kernels.gdn_tree.reference import gdn_gates, tree_gated_delta_rule
+from timing import print_table_header, timed
 from weaver.models.gdn import per_branch_tree_gated_delta_rule
 from weaver.tree import Tree
 
@@ -47,8 +47,7 @@ def main() -> None:
     H, HV, D = args.heads, args.value_heads, args.dim
     print(f"GDN tree verify, one layer, batch 1, H={H}, HV={HV}, K=V={D}, fp32, CPU {args.threads} threads, "
           f"median of {args.repeats}")
-    print("| T | per-branch ms | parallel ms | ratio | per-branch state memory | parallel commit memory |")
-    print("|---|---|---|---|---|---|")
+    print_table_header("T", "per-branch ms", "parallel ms", "ratio", "per-branch state memory", "parallel commit memory")
     gen = torch.Generator().manual_seed(0)
     for T in args.sizes:
         tree, inputs = random_inputs(T, H, HV, D, gen)
@@ -56,13 +55,10 @@ def main() -> None:
         times: dict[str, list[float]] = {"branch": [], "parallel": []}
         with torch.inference_mode():
             for _ in range(args.repeats + 1):  # first round is warm-up
-                start = time.perf_counter()
-                o_branch, _ = per_branch_tree_gated_delta_rule(*inputs, tree.parents)
-                mid = time.perf_counter()
-                o_parallel, pending = tree_gated_delta_rule(*inputs, tree.ancestors)
-                end = time.perf_counter()
-                times["branch"].append(mid - start)
-                times["parallel"].append(end - mid)
+                seconds, (o_branch, _) = timed(lambda: per_branch_tree_gated_delta_rule(*inputs, tree.parents))
+                times["branch"].append(seconds)
+                seconds, (o_parallel, pending) = timed(lambda: tree_gated_delta_rule(*inputs, tree.ancestors))
+                times["parallel"].append(seconds)
         torch.testing.assert_close(o_parallel, o_branch, atol=1e-4, rtol=1e-4)
         branch, parallel = (1000 * statistics.median(t[1:]) for t in (times["branch"], times["parallel"]))
         state_mb = T * HV * D * D * 4 / 2**20

@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 sys.modules.setdefault("fla", None)  # transformers must use its pure-torch GDN path on CPU
 
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
+from timing import print_table_header, timed  # noqa: E402
 
 from weaver.generate import generate  # noqa: E402
 from weaver.pipeline import ROOT_CONF, load_target_and_tokenizer  # noqa: E402
@@ -46,13 +46,10 @@ def main() -> None:
     seconds: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(args.repeats):
         for name, model in models.items():
-            start = time.perf_counter()
-            generate(model, [prompt], args.new_tokens)
-            seconds[name].append(time.perf_counter() - start)
+            seconds[name].append(timed(lambda: generate(model, [prompt], args.new_tokens))[0])
     print(f"{cfg.experiment}: cpu capability {torch.backends.cpu.get_cpu_capability()}, batch 1, {args.prompt_tokens} "
           f"prompt + {args.new_tokens} new tokens, eager, {args.threads} threads, median of {args.repeats}")
-    print("| weights | tokens/s | vs fp32 |")
-    print("|---|---|---|")
+    print_table_header("weights", "tokens/s", "vs fp32")
     fp32 = statistics.median(seconds["fp32"])
     for name, s in seconds.items():
         print(f"| {name} | {args.new_tokens / statistics.median(s):.1f} | {fp32 / statistics.median(s):.2f}x |")

@@ -189,15 +189,8 @@ def _bytes_per_token(docs: Sequence[dict], tokenizer: PreTrainedTokenizerFast) -
     return sum(len(t.encode("utf-8")) for t in texts) / max(n_tokens, 1)
 
 
-def _write_corpus(
-    tmp_dir: Path,
-    sources: Sequence[str],
-    max_bytes: int | None,
-    vocab_size: int,
-    seq_len: int,
-    val_fraction: float,
-    seed: int,
-) -> dict:
+def _write_corpus(tmp_dir: Path, sources: Sequence[str], max_bytes: int | None, vocab_size: int, seq_len: int,
+                  val_fraction: float, seed: int) -> dict:
     """Build everything into tmp_dir and return the stats written to stats.json."""
     docs = collect_documents(sources, max_bytes)
     if not docs:
@@ -226,15 +219,8 @@ def _write_corpus(
     return stats
 
 
-def build_corpus(
-    sources: Sequence[str],
-    max_bytes: int | None,
-    vocab_size: int,
-    seq_len: int,
-    val_fraction: float,
-    seed: int,
-    out_dir: Path,
-) -> None:
+def build_corpus(sources: Sequence[str], max_bytes: int | None, vocab_size: int, seq_len: int, val_fraction: float,
+                 seed: int, out_dir: Path) -> None:
     """The whole data stage: out_dir/{tokenizer/, dataset/, stats.json, splits.json}, all or nothing.
 
     Everything is written to a temporary sibling and renamed into place, so an
