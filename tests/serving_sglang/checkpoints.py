@@ -12,8 +12,10 @@ TARGET, DRAFTER = "WEAVER_TEST_TARGET", "WEAVER_TEST_DRAFTER"  # a tiny Qwen3 ta
 DRAFT_STEP = "WEAVER_TEST_DRAFT_STEP"  # one drafting step computed in weaver's environment (tests/test_serving.py)
 ADAPTER = "WEAVER_TEST_ADAPTER"  # a Weaver adapter for the tiny target and drafter
 REFERENCE = "WEAVER_TEST_REFERENCE"  # weaver's own engine on `prompts()`: JSON {method: [per request]}
-# the sampling test: 3 tokens per run; a low temperature, since the random tiny target is near uniform at 1
-SAMPLED_PROMPT, SAMPLED_RUNS, SAMPLED_TEMPERATURE = [7, 8, 9, 7, 8, 9, 7, 8], 500, 0.1
+# the sampling test: 3 tokens per run. At 0.3 the random tiny target spreads its next token over ~40 likely
+# tokens (near uniform at 1) and ~9% of the random drafter's drafts are accepted (at 0.1: under 1%, so a run
+# of 500 could accept none)
+SAMPLED_PROMPT, SAMPLED_RUNS, SAMPLED_TEMPERATURE = [7, 8, 9, 7, 8, 9, 7, 8], 500, 0.3
 MAX_NEW_TOKENS, NUM_DRAFT_TOKENS = 24, 16  # SGLang's draft tokens count the tree's root: budget 15
 
 
