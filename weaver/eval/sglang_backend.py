@@ -56,6 +56,10 @@ def sglang_python(cfg: DictConfig) -> str:
                       "(or point eval.sglang.python at an interpreter that has it)")
 
 
+def uses_adapter(method: str) -> bool:
+    return method in TREE_METHODS and "adapter" in TREE_METHODS[method].needs
+
+
 def check_sglang_eval(cfg: DictConfig) -> None:
     """Refuse what the SGLang backend cannot measure, before anything starts."""
     e = cfg.eval
@@ -97,7 +101,7 @@ def engine_spec(cfg: DictConfig, run: Run, target: Path, drafter: Path | None, a
     elif cfg.model.dtype != "auto":
         engine.setdefault("dtype", cfg.model.dtype)
     env = {}
-    if method == "weaver":
+    if uses_adapter(method):
         env = {"WEAVER_ADAPTER": str(adapter), "WEAVER_CHILDREN": str(cfg.weaver.search.children)}
         if cfg.weaver.search.nodes_per_call is not None:
             env["WEAVER_NODES_PER_CALL"] = str(cfg.weaver.search.nodes_per_call)
@@ -166,16 +170,16 @@ def measure_in_sglang(cfg: DictConfig, prompt_sets: dict, results: Path, partial
     check_sglang_eval(cfg)
     e, methods = cfg.eval, set(cfg.eval.methods)
     folders = {"target": target_folder(cfg), "drafter": drafter_folder(cfg) if methods - {"ar"} else None,
-               "adapter": adapter_folder(cfg) if "weaver" in methods else None}
+               "adapter": adapter_folder(cfg) if any(map(uses_adapter, methods)) else None}
     tokenizer = load_tokenizer(folders["target"])
     encoded = {name: encode_prompts(rows, tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts, template_kwargs(cfg))
                for name, rows in prompt_sets.items()}
     measured = evaluate_with_sglang(cfg, encoded, tokenizer.eos_token_id, folders, partial)
     references = transformers_references(cfg, encoded, tokenizer.eos_token_id, partial)
+    baselines = {(d, c, method): r for (d, c, method, _), r in measured.items() if method in ("ar", "chain")}
     rows = []
     for (dataset, concurrency, method, budget), r in measured.items():
-        ar, chain = (next((m for (d, c, name, _), m in measured.items() if (d, c, name) == (dataset, concurrency, kind)), None)
-                     for kind in ("ar", "chain"))
+        ar, chain = (baselines.get((dataset, concurrency, kind)) for kind in ("ar", "chain"))
         baseline = {"tokens_per_s": ar["tokens_per_s"], "reference": ar["outputs"]} if ar else None
         rows.append({**result_row(cfg, dataset, method, budget, r, baseline, len(encoded[dataset]), references.get(dataset),
                                   backend="sglang", concurrency=concurrency),

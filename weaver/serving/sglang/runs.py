@@ -55,7 +55,10 @@ def environment(variables: dict[str, str]):
         yield
     finally:
         for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def sampling_params(spec: dict, request: int) -> dict:
