@@ -130,3 +130,21 @@ def test_corrupt_and_incomplete_checkpoints(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(WeaverError, match="corrupt weights file"):
         load_target(str(tmp_path))
+
+
+def test_rope_tables_are_float64_values_rounded_so_runs_reproduce():
+    """RoPE cos/sin are the float64 values of the float32 angles, rounded. MKL's float32 cos/sin on CPU are
+    not (a few in a thousand differ by an ulp) and vary with the thread that computes them: a worker thread's
+    first calls in a process can take another path, so a forward, a training run or a stored-states shard was
+    not bitwise the same from one process to the next (the resume tests failed now and then on it)."""
+    import math
+
+    from weaver.models.layers import rope_tables
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float()
+    positions = torch.arange(2048)[None]
+    cos, sin = rope_tables(positions, inv_freq, 1.0, torch.float32)
+    angles = (positions[..., None].float() * inv_freq)[0].double().tolist()
+    for table, fn in ((cos, math.cos), (sin, math.sin)):
+        rounded = torch.tensor([[fn(a) for a in row] for row in angles], dtype=torch.float64).float()
+        assert torch.equal(table[0, :, 0], torch.cat((rounded, rounded), dim=-1))

@@ -40,8 +40,10 @@ def rope_tables(
     positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (B, T, 1, rotary_dim) for position ids (B, T), in the rotate-half layout."""
-    freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    freqs = positions[..., None].float() * inv_freq  # angles in float32, as transformers computes them
+    # cos/sin in float64: MKL's float32 cos/sin on CPU are not reproducible across processes (an intra-op
+    # thread's first calls may take a less exact path); in float64 that difference does not survive the cast
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :].double()
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
