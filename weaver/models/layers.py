@@ -43,8 +43,9 @@ def rope_tables(
     freqs = positions[..., None].float() * inv_freq  # angles in float32, as transformers computes them
     # cos/sin in float64: MKL's float32 cos/sin on CPU are not reproducible across processes (an intra-op
     # thread's first calls may take a less exact path); in float64 that difference does not survive the cast
-    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :].double()
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    half = freqs[:, :, None, :].double()
+    cos, sin = (half.cos() * scale).to(dtype), (half.sin() * scale).to(dtype)
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # each half-width table computed once
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
