@@ -100,6 +100,7 @@ def test_settings_added_later_keep_existing_keys_at_their_old_behaviour():
     assert {name: stage_key(cfg, name) for name in STAGES} == keys
     changed = _artifact_keys("train", "rollouts.samples_per_prompt=2", "rollouts.temperature=1")
     assert changed["rollouts"] != keys["rollouts"]
+    assert _artifact_keys("train", "rollouts.dtype=auto")["rollouts"] != keys["rollouts"]
     assert _artifact_keys("train", "weaver.train.heldout_rollouts=8")["weaver"] != keys["weaver"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,19 @@ def test_rerun_reuses_artifacts(smoke):
     assert again.returncode == 0
     for stage in ("corpus", "target", "rollouts", "drafter"):
         assert f"[{stage}] up to date" in again.stdout
+
+
+def test_rollouts_dtype_makes_new_data_in_that_dtype(smoke, tmp_path):
+    """`rollouts.dtype` loads the target for the data stages in that dtype; bf16 rollouts are other data (a new key)."""
+    shutil.copytree(smoke / "artifacts", tmp_path / "artifacts")  # the trained corpus and target, reused
+    done = run("train.py", tmp_path, "+experiment=smoke", "stages=[rollouts]", "rollouts.dtype=bfloat16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[target] up to date" in done.stdout
+    built = Path(json.loads((tmp_path / "smoke" / "artifacts.json").read_text())["rollouts"])
+    assert f"[rollouts] building {built}" in done.stdout
+    assert json.loads((built / "stats.json").read_text())["dtype"] == "bfloat16"
+    default = Path(json.loads((smoke / "smoke" / "artifacts.json").read_text())["rollouts"])
+    assert built.name != default.name and json.loads((default / "stats.json").read_text())["dtype"] == "float32"
 
 
 def test_eval_writes_result_rows(smoke_eval):

@@ -52,9 +52,20 @@ def test_inference_dtype_is_fp32_on_cpu_unless_asked():
     assert precision.inference_dtype("bfloat16", cpu) == torch.bfloat16
 
 
+@pytest.mark.parametrize(("factor", "expected"), [(0.25, torch.bfloat16), (50.0, torch.float32)])
+def test_data_stages_take_bf16_where_it_is_fast_or_the_models_dtype(cpu_where_bf16_is, factor, expected):
+    cpu_where_bf16_is(factor)
+    cpu = torch.device("cpu")
+    assert precision.data_dtype("auto", "auto", cpu) == expected
+    assert precision.data_dtype("model", "auto", cpu) == torch.float32  # what rollouts used before the setting
+    assert precision.data_dtype("model", "bfloat16", cpu) == torch.bfloat16
+    assert precision.data_dtype("float32", "bfloat16", cpu) == torch.float32
+
+
 @pytest.mark.parametrize(("call", "message"), [
     (lambda: precision.training_precision("fp16x", torch.device("cpu")), "precision must be one of"),
     (lambda: precision.inference_dtype("half", torch.device("cpu")), "model.dtype must be one of"),
+    (lambda: precision.data_dtype("bf16", "auto", torch.device("cpu")), "rollouts.dtype must be model or one of"),
     (lambda: precision.resolve_device("tpu"), "device must be auto, cpu or cuda"),
 ])
 def test_bad_settings_are_one_clear_error(call, message):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import datasets
 import pytest
 import torch
@@ -26,6 +28,8 @@ def test_several_samples_per_prompt_are_consecutive_rows(target, tmp_path):
     generate_rollouts(target, prompts(3), settings(samples_per_prompt=3), None, 0, tmp_path / "out", tmp_path / "work")
     rows = datasets.load_from_disk(str(tmp_path / "out" / "dataset"))
     assert rows["prompt_index"] == list(range(9))
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["n_rollouts"] == 9 and stats["dtype"] == str(target.embed.weight.dtype).removeprefix("torch.")
     assert [rows[i]["prompt_ids"] for i in range(9)] == [p for p in prompts(3) for _ in range(3)]
     for first in (0, 3, 6):  # a random tiny target at temperature 1: a prompt's samples differ
         assert len({tuple(rows[first + k]["response_ids"]) for k in range(3)}) > 1

@@ -67,7 +67,7 @@ def _run_rollouts(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
     from weaver.data.rollouts import corpus_prompts, generate_rollouts, set_prompts
 
     r = cfg.rollouts
-    target, tokenizer = load_target_and_tokenizer(cfg)
+    target, tokenizer = load_target_and_tokenizer(cfg, r.dtype)
     if r.prompts == "corpus":
         prompts = corpus_prompts(artifact_dir(cfg, "corpus"), r.n_prompts, r.prompt_tokens, cfg.seed)
     else:
@@ -85,8 +85,8 @@ def _rollout_settings(cfg: DictConfig) -> list:
 def _run_states(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
     from weaver.data.states import build_states
 
-    target, _ = load_target_and_tokenizer(cfg)
     r = cfg.rollouts
+    target, _ = load_target_and_tokenizer(cfg, r.dtype)
     build_states(target, artifact_dir(cfg, "rollouts"), tap_layers_for(cfg, target), r.shard_size, r.batch_size,
                  out_dir, work_dir)
 
@@ -134,7 +134,7 @@ HASHED_ELSEWHERE = {"rollouts": ("store_states",)}
 
 # Settings added after artifacts were built, at the value that reproduces what was built before: at that
 # value they stay out of the key, so existing artifacts remain valid (any other value changes the key).
-ADDED_LATER = {"rollouts": {"samples_per_prompt": 1}, "weaver.train": {"heldout_rollouts": 0}}
+ADDED_LATER = {"rollouts": {"samples_per_prompt": 1, "dtype": "model"}, "weaver.train": {"heldout_rollouts": 0}}
 # Settings whose spelling of a value changed: (new, old), hashed as the old spelling so that artifacts built
 # before stay valid ("never evaluate" was `eval_every: 1000000`, now `null`, for the drafter and adapter).
 RESPELLED = {group: {"eval_every": (None, 1000000)} for group in ("drafter.train", "weaver.train")}
@@ -269,15 +269,15 @@ def _with_inputs(names: list[str]) -> list[str]:
     return order
 
 
-def load_target_and_tokenizer(cfg: DictConfig):
-    """The experiment's target model (on `cfg.device`, in `model.dtype`) and tokenizer: the trained
-    artifact, an HF folder/hub id, or a GGUF."""
+def load_target_and_tokenizer(cfg: DictConfig, data_setting: str = "model"):
+    """The experiment's target model (on `cfg.device`, in `model.dtype`, or for the data stages in
+    `rollouts.dtype` given as data_setting) and tokenizer: the trained artifact, an HF folder/hub id, or a GGUF."""
     from weaver.models.checkpoint import load_target, load_tokenizer
-    from weaver.precision import inference_dtype, resolve_device
+    from weaver.precision import data_dtype, resolve_device
 
     device = resolve_device(cfg.device)
     folder = target_folder(cfg)
-    target = load_target(str(folder), inference_dtype(cfg.model.dtype, device)).to(device)
+    target = load_target(str(folder), data_dtype(data_setting, cfg.model.dtype, device)).to(device)
     return target, load_tokenizer(folder, target)  # refused if its ids do not fit the target's vocabulary
 
 

@@ -55,6 +55,22 @@ def inference_dtype(setting: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def data_dtype(setting: str, model_setting: str, device: torch.device) -> torch.dtype:
+    """Weights' dtype for the data stages (rollouts, stored states): `model` = the model's inference dtype;
+    `auto` = bf16 where it is fast. The data feed training, which never needs AR decoding's bit-closeness, and
+    a batched rollout is matmul-bound (not latency-bound like batch-1 decoding), so native bf16 pays there."""
+    if setting == "model":
+        return inference_dtype(model_setting, device)
+    if setting == "auto":
+        fast, reason = bf16_is_fast(device.type)
+        dtype = torch.bfloat16 if fast else torch.float32
+        _announce(f"rollouts dtype: {str(dtype).removeprefix('torch.')} ({reason})")
+        return dtype
+    if setting not in DTYPES:
+        raise WeaverError(f"rollouts.dtype must be model or one of {', '.join(DTYPES)}, not '{setting}'")
+    return DTYPES[setting]
+
+
 @functools.cache
 def bf16_is_fast(device_type: str) -> tuple[bool, str]:
     """(bf16 worth using, why): CUDA asks the driver; a CPU times one training-sized matmul in both dtypes."""

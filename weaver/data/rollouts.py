@@ -90,6 +90,6 @@ def generate_rollouts(
         n_tokens = sum(len(r) for r in merged["response_ids"])
         atomic_write_json(tmp / "stats.json", {
             "n_rollouts": len(merged), "response_tokens": n_tokens, "temperature": rollouts.temperature,
-            "max_new_tokens": rollouts.max_new_tokens,
+            "max_new_tokens": rollouts.max_new_tokens, "dtype": str(target.embed.weight.dtype).removeprefix("torch."),
         })
     print(f"rollouts: {len(merged)} responses, {n_tokens:,} tokens -> {out_dir}")
