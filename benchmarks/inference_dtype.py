@@ -2,10 +2,12 @@
 
     python benchmarks/inference_dtype.py +experiment=smollm2
     python benchmarks/inference_dtype.py +experiment=tiny --new-tokens 128
+    python benchmarks/inference_dtype.py +experiment=smollm2 --batch 64 --prompt-tokens 100 --new-tokens 32
 
 What `model.dtype: auto` decides for a CPU rests on this: our eager AR decode, batch 1, the same random
-prompt, the two dtypes interleaved over --repeats rounds, median tokens/s. Remaining arguments are Hydra
-overrides of eval.yaml.
+prompt, the two dtypes interleaved over --repeats rounds, median tokens/s. With --batch N, N random prompts
+decoded together, as the rollouts stage does (what `rollouts.dtype: auto` rests on). Remaining arguments
+are Hydra overrides of eval.yaml.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args, overrides = parser.parse_known_args()
@@ -40,19 +43,19 @@ def main() -> None:
             cfg = compose("eval", overrides=[*overrides, f"model.dtype={dtype}"])
         models[name] = load_target_and_tokenizer(cfg)[0]
     vocab = models["fp32"].cfg.vocab_size
-    prompt = torch.randint(3, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = torch.randint(3, vocab, (args.batch, args.prompt_tokens), generator=torch.Generator().manual_seed(0)).tolist()
     for model in models.values():
-        generate(model, [prompt], 4)  # warm-up
+        generate(model, prompts, 4)  # warm-up
     seconds: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(args.repeats):
         for name, model in models.items():
-            seconds[name].append(timed(lambda: generate(model, [prompt], args.new_tokens))[0])
-    print(f"{cfg.experiment}: cpu capability {torch.backends.cpu.get_cpu_capability()}, batch 1, {args.prompt_tokens} "
+            seconds[name].append(timed(lambda: generate(model, prompts, args.new_tokens))[0])
+    print(f"{cfg.experiment}: cpu capability {torch.backends.cpu.get_cpu_capability()}, batch {args.batch}, {args.prompt_tokens} "
           f"prompt + {args.new_tokens} new tokens, eager, {args.threads} threads, median of {args.repeats}")
     print_table_header("weights", "tokens/s", "vs fp32")
     fp32 = statistics.median(seconds["fp32"])
     for name, s in seconds.items():
-        print(f"| {name} | {args.new_tokens / statistics.median(s):.1f} | {fp32 / statistics.median(s):.2f}x |")
+        print(f"| {name} | {args.batch * args.new_tokens / statistics.median(s):.1f} | {fp32 / statistics.median(s):.2f}x |")
 
 
 if __name__ == "__main__":

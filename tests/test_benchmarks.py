@@ -60,6 +60,7 @@ def test_train_precision_benchmark_runs():
 
 def test_inference_dtype_benchmark_runs(smoke_outputs):
     done = run_script("benchmarks/inference_dtype.py", smoke_outputs, "+experiment=smoke", "--new-tokens", "4",
-                      "--repeats", "1")
+                      "--repeats", "1", "--batch", "3")
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "batch 3, 64 prompt + 4 new tokens" in done.stdout
     assert [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")][1:] == ["fp32", "bf16"]

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import (
+from ..dispatch import (
     KernelError, ParentTree, check_leaves, check_precomputed, flatten_trees, trees_for_reference, use_triton,
 )
-from kernels.gdn_tree.reference import (
+from .reference import (
     PendingGDN, gdn_gates, gdn_tree_commit_ref, gdn_tree_verify_ref, tree_gated_delta_rule,
 )
 
@@ -75,8 +75,8 @@ def gdn_tree_verify(
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, a, b)]
     pending = GDNTreePending(state_indices, state_layout, lengths)
     if use_triton(v):
-        from kernels.gdn_tree.kernel import gdn_tree_verify_triton
-        from kernels.tree_mask.kernel import tree_ancestor_mask_triton
+        from .kernel import gdn_tree_verify_triton
+        from ..tree_mask.kernel import tree_ancestor_mask_triton
 
         if mask is None:  # the trees are checked already
             mask = tree_ancestor_mask_triton(flat_parents, cu_seqlens, max(lengths))
@@ -117,7 +117,7 @@ def gdn_tree_commit_(state: torch.Tensor, pending: GDNTreePending, leaf: int | l
     if pending.reference is not None:
         gdn_tree_commit_ref(state, pending.state_indices, pending.reference, leaves.tolist(), pending.layout)
         return
-    from kernels.gdn_tree.kernel import gdn_tree_commit_triton
+    from .kernel import gdn_tree_commit_triton
 
     gdn_tree_commit_triton(
         pending.k, pending.U, pending.G, state, pending.state_indices, pending.mask, pending.cu_seqlens,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import ParentTree, check_precomputed, flatten_trees, trees_for_reference, use_triton
-from kernels.tree_attention.reference import tree_attention_ref
+from ..dispatch import ParentTree, check_precomputed, flatten_trees, trees_for_reference, use_triton
+from .reference import tree_attention_ref
 
 
 def tree_attention(
@@ -27,8 +27,8 @@ def tree_attention(
         return tree_attention_ref(q, k, v, ancestors, prefix_valid, scale)
     flat_parents, cu_seqlens, lengths = flatten_trees(1, q.shape[2], parents, None)
     if use_triton(q):
-        from kernels.tree_attention.kernel import tree_attention_triton
-        from kernels.tree_mask.kernel import tree_ancestor_mask_triton
+        from .kernel import tree_attention_triton
+        from ..tree_mask.kernel import tree_ancestor_mask_triton
 
         if mask is None:  # the tree is checked already
             mask = tree_ancestor_mask_triton(flat_parents, cu_seqlens, max(lengths))

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import autotune_configs, next_pow2
+from ..dispatch import autotune_configs, next_pow2
 
 
 @triton.jit

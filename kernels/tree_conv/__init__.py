@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import (
+from ..dispatch import (
     ParentTree, check_leaves, check_precomputed, flatten_trees, shared_tree, trees_for_reference, use_triton,
 )
-from kernels.tree_conv.reference import conv_windows, tree_causal_conv1d, tree_conv1d_ref, tree_conv_commit_ref
+from .reference import conv_windows, tree_causal_conv1d, tree_conv1d_ref, tree_conv_commit_ref
 
 
 @dataclass
@@ -49,7 +49,7 @@ def tree_conv1d(
     pending = TreeConvPending(x.reshape(B * T, C).contiguous(), flat_parents, cu_seqlens, state_indices.to(torch.int32),
                               lengths, trees)
     if trees is None:
-        from kernels.tree_conv.kernel import tree_conv1d_triton
+        from .kernel import tree_conv1d_triton
 
         out = tree_conv1d_triton(pending.x, weight.contiguous(), state, pending.state_indices, flat_parents, cu_seqlens,
                                  max(lengths))
@@ -62,7 +62,7 @@ def tree_conv_commit_(state: torch.Tensor, pending: TreeConvPending, leaf: int |
     """Write each tree's new conv state (the last W-1 inputs along its accepted path) into its slot."""
     leaves = check_leaves(leaf, pending.lengths)
     if pending.trees is None:
-        from kernels.tree_conv.kernel import tree_conv_commit_triton
+        from .kernel import tree_conv_commit_triton
 
         tree_conv_commit_triton(state, pending.x, pending.state_indices, pending.parents, pending.cu_seqlens,
                                 leaves.to(state.device))

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import next_pow2
+from ..dispatch import next_pow2
 
 
 @triton.jit

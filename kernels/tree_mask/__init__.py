@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import flatten_trees, use_triton
-from kernels.tree_mask.reference import tree_ancestor_mask_ref
+from ..dispatch import flatten_trees, use_triton
+from .reference import tree_ancestor_mask_ref
 
 
 def tree_ancestor_mask(parents: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -16,7 +16,7 @@ def tree_ancestor_mask(parents: torch.Tensor, cu_seqlens: torch.Tensor | None = 
     """
     parents, cu_seqlens, lengths = flatten_trees(1, parents.numel(), parents, cu_seqlens)
     if use_triton(parents):
-        from kernels.tree_mask.kernel import tree_ancestor_mask_triton
+        from .kernel import tree_ancestor_mask_triton
 
         return tree_ancestor_mask_triton(parents, cu_seqlens, max(lengths))
     return tree_ancestor_mask_ref(parents, cu_seqlens)

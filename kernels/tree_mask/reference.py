@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import ParentTree
+from ..dispatch import ParentTree
 
 
 def tree_ancestor_mask_ref(parents: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ tokens whose node 0 is the last verified token (our anchor), positions `seq_len 
 over ancestors, and the tree as linked lists in node-index order: `retrieve_next_token[i]` is i's first
 child, `retrieve_next_sibling[i]` its next sibling, -1 ends a list, and `retrieve_index[b, i] = b * n + i`.
 n is fixed per batch: a smaller tree is padded with nodes that hang off the root in the mask but sit in no
-list, so verification never visits them. Only torch here: the conversion is tested against SGLang's own
+list, so verification never visits them (GDN layers read the same padded trees as parent pointers,
+`weaver.serving.sglang.gdn`). Only torch here: the conversion is tested against SGLang's own
 tree builder and greedy verify (tests/serving_sglang) and needs no GPU.
 """
 
@@ -30,6 +31,7 @@ class TreeVerifyInputs:
     retrieve_index: torch.Tensor  # (bs, n) long
     retrieve_next_token: torch.Tensor  # (bs, n) long
     retrieve_next_sibling: torch.Tensor  # (bs, n) long
+    parents: torch.Tensor  # (bs * n,) long: the padded trees as node-local parent pointers (GDN layers' verify)
 
     @property
     def draft_token_num(self) -> int:
@@ -60,6 +62,7 @@ def tree_verify_inputs(
         retrieve_index=offsets + torch.arange(n, device=seq_lens.device),
         retrieve_next_token=torch.stack(first),
         retrieve_next_sibling=torch.stack(sibling),
+        parents=torch.cat([tree.parents for tree in padded]),
     )
 
 

@@ -3,8 +3,9 @@
 Per decode step and request: our DFlash drafter drafts a block from its context cache of the target's
 tapped hidden states, `weaver.builders.propose` (the reference engine's builders: no second search) turns
 it into a tree, `tree_inputs` lays the batch's trees out as SGLang's tree-verify inputs, the target runs
-one TARGET_VERIFY forward over them, SGLang's greedy tree verify accepts a path, SGLang commits the
-accepted nodes' KV, and the accepted nodes' tapped states extend the drafter's context.
+one TARGET_VERIFY forward over them (a hybrid target's GDN layers through our tree kernels,
+`weaver.serving.sglang.gdn`), SGLang's greedy tree verify accepts a path, SGLang commits the accepted nodes'
+KV (and `gdn` the accepted path's GDN states), and the accepted nodes' tapped states extend the drafter's context.
 
 To the scheduler the worker looks like SGLang's NGRAM worker (`TreeSpecAlgo.is_ngram`): the draft lives
 outside SGLang's KV pools and the tree only in the verify mask, so the NGRAM relay, KV sizing and
@@ -18,6 +19,7 @@ request's temperature only: top-p, top-k, min-p and penalties are not applied to
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +32,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_utils import eagle_sample
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
-from sglang.srt.speculative.spec_utils import (
-    commit_mamba_states_after_verify,
-    move_accept_tokens_to_target_kvcache,
-)
+from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from torch import nn
 
@@ -45,6 +44,7 @@ from weaver.models.drafter import DrafterCache
 from weaver.models.drafter_checkpoint import load_drafter
 from weaver.search import Proposal
 from weaver.serving.sglang import ADAPTER_ENV, TRACE_TOP, WorkerSettings
+from weaver.serving.sglang.gdn import begin_verify, commit_gdn_states, install_tree_gdn
 from weaver.serving.sglang.tree_inputs import accept_outputs, accepted_leaves, tree_verify_inputs
 from weaver.tree import Tree
 
@@ -106,6 +106,12 @@ class TreeWorker(BaseSpecWorker):
         self.adapter = self._load_adapter()
         self._tap_states(model)
         self.requests: dict[str, RequestState] = {}
+
+    @functools.cached_property
+    def gdn(self):
+        """The target's GDN backend with our tree verify, installed at the first verify (SGLang builds its attention
+        backends after the speculative worker); None for an attention-only target."""
+        return install_tree_gdn(self.model_runner)
 
     @property
     def target_worker(self) -> TpModelWorker:
@@ -207,7 +213,8 @@ class TreeWorker(BaseSpecWorker):
             predict, accept_lens, accept_index = self._sampled_acceptance(
                 batch, result.logits_output.next_token_logits, predict, accept_lens, accept_index)
         new_seq_lens = batch.seq_lens + accept_lens
-        commit_mamba_states_after_verify(self._target_worker, batch, accept_lens, accept_index, self.draft_token_num)
+        if self.gdn is not None:
+            commit_gdn_states(self.gdn, [leaf for leaf, _ in accepted_leaves(accept_index, accept_lens - 1, predict)])
         accept_tokens = predict[accept_index].flatten()
         move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1, self.token_to_kv_pool_allocator)
         if batch.return_logprob:
@@ -291,6 +298,8 @@ class TreeWorker(BaseSpecWorker):
             draft_token=inputs.draft_token, custom_mask=inputs.custom_mask, positions=inputs.positions,
             retrieve_index=inputs.retrieve_index, retrieve_next_token=inputs.retrieve_next_token,
             retrieve_next_sibling=inputs.retrieve_next_sibling, draft_token_num=n)
+        if self.gdn is not None:
+            begin_verify(self.gdn, inputs.parents)
         return batch.spec_info
 
     def _commit_contexts(self, batch, accept_index: torch.Tensor, accept_lens: torch.Tensor) -> None:
