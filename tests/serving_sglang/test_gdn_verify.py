@@ -24,10 +24,11 @@ from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend  # 
 from sglang.srt.layers.radix_linear_attention import RadixLinearAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.speculative.spec_utils import _verify_commit_step_indices  # noqa: E402
 
 from weaver.errors import WeaverError  # noqa: E402
 from weaver.serving.sglang.gdn import begin_verify, commit_gdn_states, install_tree_gdn  # noqa: E402
-from weaver.serving.sglang.tree_inputs import tree_verify_inputs  # noqa: E402
+from weaver.serving.sglang.tree_inputs import accept_outputs, accepted_leaves, tree_verify_inputs  # noqa: E402
 from weaver.tree import Tree  # noqa: E402
 
 GDN_LAYERS = [1, 3]  # model layer ids of the GDN layers (the others would be attention)
@@ -125,7 +126,14 @@ def test_our_tree_verify_and_commit_equal_sglangs_on_its_pools(seed):
     assert torch.equal(cache.conv[0], committed[0]) and torch.equal(cache.temporal, committed[1]), \
         "verify wrote into the pools"
 
-    leaves = [int(torch.randint(0, len(tree), (), generator=gen)) for tree in trees]
+    # accepted paths in SGLang's verify outputs; the worker's leaves from them are those SGLang's commit uses
+    chosen = [(int(torch.randint(0, len(tree), (), generator=gen)), 0) for tree in trees]
+    predict, accept_index, accept_token_num = accept_outputs(trees, chosen, n)
+    accept_lens = accept_token_num + 1
+    leaves = [leaf for leaf, _ in accepted_leaves(accept_index, accept_lens - 1, predict)]  # as the worker does
+    sglang_leaves, _ = _verify_commit_step_indices(batch=SimpleNamespace(mamba_track_indices=None),
+                                                   accept_index=accept_index, accept_lens=accept_lens, draft_token_num=n)
+    assert leaves == [leaf for leaf, _ in chosen] == sglang_leaves.tolist()
     commit_gdn_states(ours, leaves)
     assert torch.equal(ours.forward_metadata.mamba_cache_indices[:bs], slots)
     slots = slots.long()
