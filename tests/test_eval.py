@@ -104,6 +104,26 @@ def test_settings_added_later_keep_existing_keys_at_their_old_behaviour():
     assert _artifact_keys("train", "weaver.train.heldout_rollouts=8")["weaver"] != keys["weaver"]
 
 
+def test_stored_states_are_keyed_by_the_tapped_layers(tmp_path):
+    """A given drafter that taps the layers a new one would (for the experiment's number of taps) reuses the
+    stored states of the experiment's rollouts; one that taps others gets its own."""
+    from hf_tiny import save_tiny_hf_model
+    from weaver.models.checkpoint import load_target
+    from weaver.models.drafter import Drafter, default_target_layers
+    from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config, save_drafter
+
+    save_tiny_hf_model("qwen3_5_text", tmp_path / "target")
+    target = load_target(str(tmp_path / "target"))
+    taps = _artifact_keys("train", "rollouts.store_states=true")
+    for layers, shared in [(default_target_layers(target.cfg.num_layers, 2), True), ((0,), False)]:
+        config = new_drafter_config(target, 1, 4, 3, target_layer_ids=layers)
+        folder = tmp_path / f"drafter-{len(layers)}"
+        save_drafter(Drafter(drafter_config(config)), config, folder)
+        given = _artifact_keys("train", "rollouts.store_states=true", "drafter.num_taps=2", f"drafter.path={folder}")
+        assert (given["states"] == _artifact_keys("train", "rollouts.store_states=true", "drafter.num_taps=2")["states"]) is shared
+        assert given["rollouts"] == taps["rollouts"]
+
+
 @pytest.mark.parametrize("script", sorted((ROOT / "scripts" / "gpu").glob("*.sh")), ids=lambda p: p.name)
 def test_gpu_scripts_compose_to_evals_the_sglang_backend_accepts(script):
     """The GPU run scripts cannot be run here; their eval command must at least compose (every override names

@@ -102,6 +102,21 @@ def tap_layers_for(cfg: DictConfig, target) -> tuple[int, ...]:
     return default_target_layers(target.cfg.num_layers, cfg.drafter.num_taps)
 
 
+def _tapped(cfg: DictConfig) -> int | list[int]:
+    """What stored states depend on besides the rollouts: the tapped layers, spelt `drafter.num_taps` when they are
+    the layers a new drafter of this config taps (the key states built for a trained drafter have), else as the
+    layer ids: a given drafter that taps the same layers reuses those states, and vice versa."""
+    from weaver.models.checkpoint import load_hf_config, resolve_checkpoint
+    from weaver.models.drafter import default_target_layers
+    from weaver.models.drafter_checkpoint import drafter_config
+
+    if cfg.drafter.path is None:
+        return cfg.drafter.num_taps
+    given = drafter_config(load_hf_config(resolve_checkpoint(str(cfg.drafter.path))))
+    n_layers, ids = given.num_target_layers, tuple(given.target_layer_ids)
+    return cfg.drafter.num_taps if n_layers and ids == default_target_layers(n_layers, cfg.drafter.num_taps) else list(ids)
+
+
 def _states_dir(cfg: DictConfig) -> Path | None:
     return artifact_dir(cfg, "states") if cfg.rollouts.store_states else None
 
@@ -169,7 +184,7 @@ STAGES: dict[str, Stage] = {
     ),
     "rollouts": Stage("rollouts", ("target",), _rollout_settings, _run_rollouts),
     "states": Stage(
-        "states", ("rollouts",), lambda cfg: [cfg.drafter.path or cfg.drafter.num_taps],
+        "states", ("rollouts",), lambda cfg: [_tapped(cfg)],
         _run_states, needed=lambda cfg: cfg.rollouts.store_states, unneeded="rollouts.store_states is false",
         optional=True,
     ),
