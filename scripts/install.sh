@@ -47,11 +47,18 @@ fi
 # seconds afterwards. weaver is installed into it without its dependencies (the plugin needs only torch),
 # which declares the `sglang.srt.plugins` entry point there.
 SGLANG_VERSION=0.5.23
+SERVE_DISK_GB=${SERVE_DISK_GB:-16}
 if [ "$SERVE" = 1 ]; then
   VENV=.venv-sglang
   if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$SGLANG_VERSION')" 2>/dev/null; then
     echo "install.sh: building $VENV with sglang==$SGLANG_VERSION (first time: ~11 GB, a few minutes)"
     rm -rf "$VENV"
+    # pip needs room for the wheels as well as the environment: fail now, with a reason, not halfway through.
+    free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+    if [ "$free_gb" -lt "$SERVE_DISK_GB" ]; then
+      echo "install.sh: $VENV needs about $SERVE_DISK_GB GB of free disk here, only $free_gb GB is free" >&2
+      exit 1
+    fi
     $PY -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q "sglang==$SGLANG_VERSION" pytest
   fi
