@@ -218,6 +218,13 @@ def search_children_limit(max_depth: int, vocab_size: int, children: int, pool_s
     return max_tree_nodes(max_depth, branching), f"depth {max_depth} x {branching} children per node"
 
 
+def check_children(children: int, pool: int, setting: str = "weaver.search.children") -> None:
+    """The Weaver search publishes at most the adapter's pool of candidates per position as a node's children."""
+    if children > pool:
+        raise WeaverError(f"{setting}={children} is more than the adapter's pool of {pool} candidates per position "
+                          f"(its weaver.pool_size): at most {pool}")
+
+
 def check_budget(budget: int, limit: int | None = None, method: str = "tree", why: str = "") -> None:
     """A step's budget: a whole number of draft nodes, at least 1, and (given `limit`) no more than the
     method's tree can hold (`TreeMethod.limit`)."""

@@ -15,7 +15,7 @@ import torch
 
 from weaver.acceptance import SAMPLING_RULES, check_finite, greedy_tree
 from weaver.budget import BudgetPlanner
-from weaver.builders import SearchConfig, StepInputs, check_budget, propose, tree_method
+from weaver.builders import SearchConfig, StepInputs, check_budget, check_children, propose, tree_method
 from weaver.errors import WeaverError
 from weaver.generate import sample_next, until_eos
 from weaver.models.adapter import WeaverAdapter, check_adapter_fits
@@ -90,9 +90,7 @@ def check_request(
             raise WeaverError(f"method '{method}' needs a trained adapter (stage `weaver` of train.py)")
         check_adapter_fits(adapter.cfg, target, depth)
         pool = adapter.cfg.pool_size
-        if children > pool:
-            raise WeaverError(f"weaver.search.children={children} is more than the adapter's pool of {pool} candidates "
-                              f"per position (weaver.pool_size): at most {pool}")
+        check_children(children, pool)
     limit, why = kind.limit(depth, target.cfg.vocab_size, children, pool)
     if isinstance(budget, BudgetPlanner):
         for candidate in budget.candidates:

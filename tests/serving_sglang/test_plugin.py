@@ -16,8 +16,9 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from checkpoints import DRAFTER, TARGET, checkpoint
-from weaver.serving.sglang import ALGORITHMS, DEFAULT_DRAFT_TOKENS, register
+from checkpoints import ADAPTER, DRAFTER, TARGET, checkpoint
+from weaver.errors import WeaverError
+from weaver.serving.sglang import ADAPTER_ENV, ALGORITHMS, CHILDREN_ENV, DEFAULT_DRAFT_TOKENS, register
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,9 @@ def test_the_entry_point_registers_every_algorithm():
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_server_args_get_what_the_worker_needs(name, tiny_model):
+def test_server_args_get_what_the_worker_needs(name, tiny_model, monkeypatch):
     load_plugins()
+    monkeypatch.setenv(ADAPTER_ENV, str(checkpoint(ADAPTER)))  # WEAVER's settings are checked too (test below)
     args = ServerArgs(model_path=str(tiny_model), speculative_algorithm=name, device="cpu",
                       speculative_draft_model_path=str(checkpoint(DRAFTER)))
     args.resolve_once()
@@ -57,6 +59,32 @@ def test_server_args_without_a_drafter_stop_with_the_reason(name, tiny_model):
         args.resolve_once()
     with pytest.raises(ValueError, match="Unknown speculative algorithm name: NOT_WEAVER"):
         ServerArgs(model_path=str(tiny_model), speculative_algorithm="NOT_WEAVER", device="cpu").resolve_once()
+
+
+def test_weavers_settings_are_checked_before_loading(tiny_model, monkeypatch):
+    """WEAVER without an adapter, an adapter folder that is not one, more children than the adapter's pool (16
+    here) or a malformed count: one message each from resolving the arguments, before any model loads."""
+    load_plugins()
+
+    def resolve():
+        ServerArgs(model_path=str(tiny_model), speculative_algorithm="WEAVER", device="cpu",
+                   speculative_draft_model_path=str(checkpoint(DRAFTER))).resolve_once()
+
+    monkeypatch.delenv(ADAPTER_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"WEAVER needs a trained adapter: set {ADAPTER_ENV} to its folder"):
+        resolve()
+    monkeypatch.setenv(ADAPTER_ENV, str(checkpoint(DRAFTER)))
+    with pytest.raises(WeaverError, match="is not a readable Weaver adapter checkpoint"):
+        resolve()
+    monkeypatch.setenv(ADAPTER_ENV, str(checkpoint(ADAPTER)))
+    monkeypatch.setenv(CHILDREN_ENV, "17")
+    with pytest.raises(WeaverError, match=f"{CHILDREN_ENV}=17 is more than the adapter's pool of 16 candidates"):
+        resolve()
+    monkeypatch.setenv(CHILDREN_ENV, "eight")
+    with pytest.raises(ValueError, match=f"{CHILDREN_ENV} must be a whole number >= 1"):
+        resolve()
+    monkeypatch.setenv(CHILDREN_ENV, "16")
+    resolve()  # the pool's size itself is fine
 
 
 def test_launch_server_finds_the_plugin_and_stops_before_loading(tiny_model):

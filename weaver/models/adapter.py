@@ -18,6 +18,7 @@ predicted its token).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable
@@ -231,6 +232,29 @@ def check_adapter_fits(cfg: AdapterConfig, target: TargetModel, max_depth: int) 
         raise WeaverError(f"adapter covers depth {cfg.max_depth}, the drafter drafts {max_depth} positions")
 
 
+@contextlib.contextmanager
+def _reading_adapter(folder: Path):
+    """Turn what reading a broken or missing adapter folder raises into one WeaverError naming the folder."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise WeaverError(f"no Weaver adapter at {folder}: {e.filename} is missing") from e
+    except WeaverError as e:  # a size that is not a whole number >= 1
+        raise WeaverError(f"{folder} is not a valid Weaver adapter checkpoint: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OSError, SafetensorError) as e:
+        raise WeaverError(f"{folder} is not a readable Weaver adapter checkpoint ({type(e).__name__}: {e})") from e
+
+
+def read_adapter_config(folder: str | Path) -> tuple[AdapterConfig, str | None]:
+    """A saved adapter's sizes and the fingerprint of its tokenizer (None if it records none), from its
+    config.json alone: what a server checks its settings against before loading any weights."""
+    folder = Path(folder)
+    with _reading_adapter(folder):
+        config = json.loads((folder / "config.json").read_text())
+        sha = config.get("tokenizer_sha256")
+        return AdapterConfig(**config["weaver_adapter"]), sha if isinstance(sha, str) else None
+
+
 def load_adapter(folder: str | Path, target: TargetModel, max_depth: int, tokenizer=None) -> WeaverAdapter:
     """Read a saved adapter; refuse one whose sizes do not fit the target or the drafter's block, or (when
     it records one) that was trained with another tokenizer than `tokenizer` (default: the tokenizer saved
@@ -238,26 +262,17 @@ def load_adapter(folder: str | Path, target: TargetModel, max_depth: int, tokeni
     from weaver.models.checkpoint import check_tokenizer_fingerprint
 
     folder = Path(folder)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-        cfg = AdapterConfig(**config["weaver_adapter"])
-        sha = config.get("tokenizer_sha256")
+    cfg, sha = read_adapter_config(folder)
+    with _reading_adapter(folder):
         state = load_file(folder / "model.safetensors")
-    except FileNotFoundError as e:
-        raise WeaverError(f"no Weaver adapter at {folder}: {e.filename} is missing") from e
-    except WeaverError as e:  # a size that is not a whole number >= 1
-        raise WeaverError(f"{folder} is not a valid Weaver adapter checkpoint: {e}") from None
-    except (KeyError, TypeError, ValueError, AttributeError, OSError, SafetensorError) as e:
-        raise WeaverError(f"{folder} is not a readable Weaver adapter checkpoint ({type(e).__name__}: {e})") from e
     check_adapter_fits(cfg, target, max_depth)
-    check_tokenizer_fingerprint(f"the Weaver adapter at {folder}", sha if isinstance(sha, str) else None, target,
-                                tokenizer)
+    check_tokenizer_fingerprint(f"the Weaver adapter at {folder}", sha, target, tokenizer)
     adapter = WeaverAdapter(cfg)
     try:
         adapter.load_state_dict(state)
     except RuntimeError as e:
         raise WeaverError(f"adapter weights in {folder} do not match its config: {str(e).splitlines()[0]}") from e
-    adapter.tokenizer_sha256 = sha if isinstance(sha, str) else None
+    adapter.tokenizer_sha256 = sha
     return adapter.eval()
 
 

@@ -96,6 +96,7 @@ def configure(server_args) -> None:
         raise ValueError(f"--speculative-algorithm {server_args.speculative_algorithm} needs our drafter: "
                          "--speculative-draft-model-path <a DFlash-format drafter folder, e.g. from weaver's "
                          "`drafter` stage>")
+    check_settings(server_args.speculative_algorithm.upper(), WorkerSettings.from_env())
     if server_args.speculative_num_draft_tokens is None:
         server_args.speculative_num_draft_tokens = DEFAULT_DRAFT_TOKENS
     if server_args.speculative_num_draft_tokens < 2:
@@ -106,6 +107,20 @@ def configure(server_args) -> None:
     server_args.disable_radix_cache = True  # the drafter must see every prompt token's target states
     server_args.disable_cuda_graph = True  # the target's states are read with a forward hook
     server_args.enable_mixed_chunk = False
+
+
+def check_settings(name: str, settings: WorkerSettings) -> None:
+    """Refuse Weaver's environment settings that cannot work (no adapter for WEAVER, more children than the
+    adapter's pool) from the adapter's config.json alone, before SGLang loads a model."""
+    from weaver.builders import TREE_METHODS, check_children
+    from weaver.models.adapter import read_adapter_config
+
+    if "adapter" not in TREE_METHODS[ALGORITHMS[name]].needs:
+        return
+    if settings.adapter is None:
+        raise ValueError(f"--speculative-algorithm {name} needs a trained adapter: set {ADAPTER_ENV} to its folder "
+                         "(weaver's `weaver` stage writes it)")
+    check_children(settings.children, read_adapter_config(settings.adapter)[0].pool_size, CHILDREN_ENV)
 
 
 def _worker_factory(name: str):

@@ -43,7 +43,7 @@ from weaver.models.adapter import WeaverAdapter, load_adapter
 from weaver.models.drafter import DrafterCache
 from weaver.models.drafter_checkpoint import load_drafter
 from weaver.search import Proposal
-from weaver.serving.sglang import ADAPTER_ENV, TRACE_TOP, WorkerSettings
+from weaver.serving.sglang import TRACE_TOP, WorkerSettings
 from weaver.serving.sglang.gdn import begin_verify, commit_gdn_states, install_tree_gdn
 from weaver.serving.sglang.tree_inputs import accept_outputs, accepted_leaves, tree_verify_inputs
 from weaver.tree import Tree
@@ -131,10 +131,9 @@ class TreeWorker(BaseSpecWorker):
         pass
 
     def _load_adapter(self) -> WeaverAdapter | None:
+        """The adapter WEAVER_ADAPTER names (`configure` refused a WEAVER launch without one)."""
         if "adapter" not in TREE_METHODS[self.method].needs:
             return None
-        if self.settings.adapter is None:
-            raise WeaverError(f"--speculative-algorithm WEAVER needs a trained adapter: set {ADAPTER_ENV} to its folder")
         adapter = load_adapter(self.settings.adapter, self.head, self.drafter.cfg.block_size - 1)
         return adapter.to(self.device, self.dtype)
 
