@@ -48,6 +48,9 @@ class StepInputs:
     adapter: WeaverAdapter | None = None  # the Weaver adapter (method weaver)
 
 
+DEFAULT_CHILDREN = 8  # the Weaver search's children per node when none is given (at most the adapter's pool)
+
+
 @dataclass(frozen=True)
 class SearchConfig:
     """How a step's tree is grown: `budget` draft nodes; children drawn without replacement when a generator
@@ -57,7 +60,7 @@ class SearchConfig:
     `compiled`: the Weaver search's adapter step through torch.compile."""
 
     budget: int
-    children: int = 8
+    children: int = DEFAULT_CHILDREN
     nodes_per_call: int | None = None
     generator: torch.Generator | None = None
     temperature: float = 1.0
@@ -216,6 +219,11 @@ def search_children_limit(max_depth: int, vocab_size: int, children: int, pool_s
     """`children` per node, at most the adapter's pool (the Weaver search)."""
     branching = min(children, pool_size or children)
     return max_tree_nodes(max_depth, branching), f"depth {max_depth} x {branching} children per node"
+
+
+def default_children(pool: int | None) -> int:
+    """Children per node when none is given: DEFAULT_CHILDREN, or the adapter's pool when that is smaller."""
+    return DEFAULT_CHILDREN if pool is None else min(DEFAULT_CHILDREN, pool)
 
 
 def check_children(children: int, pool: int, setting: str = "weaver.search.children") -> None:

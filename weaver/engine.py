@@ -15,7 +15,9 @@ import torch
 
 from weaver.acceptance import SAMPLING_RULES, check_finite, greedy_tree
 from weaver.budget import BudgetPlanner
-from weaver.builders import SearchConfig, StepInputs, check_budget, check_children, propose, tree_method
+from weaver.builders import (
+    SearchConfig, StepInputs, check_budget, check_children, default_children, propose, tree_method,
+)
 from weaver.errors import WeaverError
 from weaver.generate import sample_next, until_eos
 from weaver.models.adapter import WeaverAdapter, check_adapter_fits
@@ -59,9 +61,6 @@ class PhaseClock:
         now = time.perf_counter()
         self.seconds[phase] += now - self.last
         self.last = now
-
-
-DEFAULT_CHILDREN = 8  # the Weaver search's children per node when none is given (at most the adapter's pool)
 
 
 def check_request(
@@ -134,7 +133,7 @@ def speculative_generate(
     target or the drafter (and NaN scores of the adapter), naming the step, instead of a wrong token.
     """
     if children is None:
-        children = min(DEFAULT_CHILDREN, adapter.cfg.pool_size) if adapter is not None else DEFAULT_CHILDREN
+        children = default_children(adapter.cfg.pool_size if adapter is not None else None)
     max_budget = check_request(target, drafter, prompt, max_new_tokens, temperature, method, budget, adapter, sampling,
                                children, nodes_per_call)
     planner = budget if isinstance(budget, BudgetPlanner) else None

@@ -31,13 +31,13 @@ class WorkerSettings:
     """The worker's settings that SGLang's arguments cannot carry."""
 
     adapter: str | None
-    children: int
+    children: int | None  # None: weaver's default for the adapter's pool
     nodes_per_call: int | None
     trace: str | None
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
-        return cls(os.environ.get(ADAPTER_ENV) or None, _count(CHILDREN_ENV, 8), _count(NODES_PER_CALL_ENV, None),
+        return cls(os.environ.get(ADAPTER_ENV) or None, _count(CHILDREN_ENV, None), _count(NODES_PER_CALL_ENV, None),
                    os.environ.get(TRACE_ENV) or None)
 
     def record(self, **step) -> None:
@@ -120,7 +120,9 @@ def check_settings(name: str, settings: WorkerSettings) -> None:
     if settings.adapter is None:
         raise ValueError(f"--speculative-algorithm {name} needs a trained adapter: set {ADAPTER_ENV} to its folder "
                          "(weaver's `weaver` stage writes it)")
-    check_children(settings.children, read_adapter_config(settings.adapter)[0].pool_size, CHILDREN_ENV)
+    pool = read_adapter_config(settings.adapter)[0].pool_size
+    if settings.children is not None:  # unset: weaver's default, within the pool
+        check_children(settings.children, pool, CHILDREN_ENV)
 
 
 def _worker_factory(name: str):

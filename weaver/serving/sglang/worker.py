@@ -37,7 +37,7 @@ from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_f
 from torch import nn
 
 from weaver.acceptance import recursive_rejection_tree
-from weaver.builders import TREE_METHODS, SearchConfig, StepInputs, propose
+from weaver.builders import TREE_METHODS, SearchConfig, StepInputs, default_children, propose
 from weaver.errors import WeaverError
 from weaver.models.adapter import WeaverAdapter, load_adapter
 from weaver.models.drafter import DrafterCache
@@ -104,6 +104,8 @@ class TreeWorker(BaseSpecWorker):
         self.dtype = self.head.lm_head.weight.dtype  # the target's: drafting reads its embeddings and states
         self.drafter = load_drafter(get_spec().speculative_draft_model_path, self.head, self.dtype).to(self.device)
         self.adapter = self._load_adapter()
+        pool = self.adapter.cfg.pool_size if self.adapter is not None else None
+        self.children = self.settings.children or default_children(pool)
         self._tap_states(model)
         self.requests: dict[str, RequestState] = {}
 
@@ -252,7 +254,7 @@ class TreeWorker(BaseSpecWorker):
         draft = self.drafter.draft(self.head, state.context, torch.tensor([anchor], device=self.device),
                                    torch.tensor([seq_len], device=self.device), max_depth=budget)
         state.proposal = propose(self.method, StepInputs(anchor, draft, state.last_hidden, self.head, adapter=self.adapter),
-                                 SearchConfig(budget, self.settings.children, self.settings.nodes_per_call, state.generator,
+                                 SearchConfig(budget, self.children, self.settings.nodes_per_call, state.generator,
                                               state.temperature or 1.0))
         if self.settings.trace:  # the trace's fingerprint of the drafter's inputs; off the hot path otherwise
             state.top_logits = draft.logits[0].topk(TRACE_TOP).values
