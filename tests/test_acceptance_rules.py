@@ -123,9 +123,10 @@ def synthetic_problem(seed: int, chain: int = CHAIN) -> tuple[torch.Tensor, torc
 
 def first_two_tokens(rule, log_p: torch.Tensor, q: torch.Tensor, temperature: float, anchor: int, trials: int,
                      gen: torch.Generator, width: int = 1, budget: int | None = None,
-                     drawn: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     drawn: bool = True, priority=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(trials, 2) first two tokens emitted by repeated verify steps from `anchor`, and how often each
-    accepted depth occurred (over all steps). drawn=False builds the greedy (k-best) tree instead."""
+    accepted depth occurred (over all steps). drawn=False builds the greedy (k-best) tree instead;
+    priority: the search's `AcceptanceTable` (weaver.calibration)."""
     depth = q.shape[1]
     budget = budget or depth
     out = torch.empty(trials, 2, dtype=torch.long)
@@ -134,7 +135,7 @@ def first_two_tokens(rule, log_p: torch.Tensor, q: torch.Tensor, temperature: fl
         emitted, a = [], anchor
         while len(emitted) < 2:
             proposal = best_first_tree(a, budget, depth, marginal_logprobs(q[a].log()), width,
-                                       generator=gen if drawn else None, device="cpu")
+                                       generator=gen if drawn else None, priority=priority, device="cpu")
             tree = proposal.tree
             leaf, token = rule(tree, log_p[tree.tokens], proposal.child_probs, temperature, gen)  # row i: p(. | node i)
             assert 0 <= token < V

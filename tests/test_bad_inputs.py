@@ -195,7 +195,7 @@ OTHER_TOKENIZER = tokenizer_fingerprint(word_tokenizer(VOCAB, "w"))  # same size
 
 def eval_config(**changes) -> OmegaConf:
     """A config with the eval settings check_names and the SGLang backend read (defaults: a valid one)."""
-    e = {"methods": ["ar"], "datasets": [], "budgets": [4], "seed": 0, "backend": "torch",
+    e = {"methods": ["ar"], "datasets": [], "budgets": [4], "seed": 0, "backend": "torch", "rrs_priority": "draft",
          "sglang": {"python": None, "concurrency": [1]}}
     return OmegaConf.create({"eval": {**e, **changes, "sglang": {**e["sglang"], **changes.get("sglang", {})}},
                              "prompt_sets": {}})
@@ -254,6 +254,8 @@ CASES = [
      "eval.budgets entries are numbers of draft nodes (>= 1) or 'auto', got [0, 2.5, True]"),
     ("eval.seed not a number", lambda m, t: check_names(eval_config(seed="x")),
      "eval.seed must be a whole number >= 0, got 'x'"),
+    ("unknown eval.rrs_priority", lambda m, t: check_names(eval_config(rrs_priority="learned")),
+     "eval.rrs_priority must be one of ['draft', 'acceptance'], got 'learned'"),
     ("unknown eval.backend", lambda m, t: check_names(eval_config(backend="vllm")),
      "eval.backend must be one of ['torch', 'sglang'], got 'vllm'"),
     ("SGLang backend asked for the oracle", lambda m, t: check_sglang_eval(eval_config(methods=["ar", "oracle"])),

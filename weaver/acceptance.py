@@ -19,6 +19,8 @@ from weaver.tree import Tree
 if TYPE_CHECKING:
     from weaver.search import Proposal
 
+Observer = Callable[[int, int, float], None]  # (node, child rank, probability the rule accepts a child drawn there)
+
 
 def check_finite(values: torch.Tensor, what: str, where: str, nan_only: bool = False) -> None:
     """Refuse NaN/inf (with nan_only: NaN) in logits an acceptance rule is about to read: argmax and
@@ -70,7 +72,7 @@ def target_only_tree(
 
 def recursive_rejection_tree(
     tree: Tree, target_logits: torch.Tensor, child_probs: dict[int, torch.Tensor], temperature: float,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, observe: Observer | None = None,
 ) -> tuple[int, int]:
     """(accepted leaf node, next token): recursive rejection sampling over siblings (SpecInfer, SpecTr),
     for trees whose children c_1, c_2, ... of a node were drawn in that order without replacement from
@@ -80,13 +82,16 @@ def recursive_rejection_tree(
     move to it; on rejection p <- normalised max(p - q, 0) and q <- q without c_i, renormalised (each
     step is one speculative-sampling step of p against q, so the emitted token is distributed as p);
     when every child is rejected, draw the token from the last p. On a chain this is standard speculative
-    sampling, the bonus token included.
+    sampling, the bonus token included. observe(node, rank, h) hears, at each child considered, the
+    probability h = sum_x min(p(x), q(x)) that a child drawn at that point is accepted (`weaver.calibration`).
     """
     probs = torch.softmax(target_logits.float() / temperature, dim=-1)
     node = 0
     while True:
         p, q = probs[node], child_probs.get(node)
-        for child in tree.children(node):
+        for rank, child in enumerate(tree.children(node)):
+            if observe is not None:
+                observe(node, rank, float(torch.minimum(p, q).sum()))
             x = int(tree.tokens[child])
             if float(torch.rand((), generator=generator)) * float(q[x]) <= float(p[x]):
                 node = child
@@ -103,17 +108,18 @@ def recursive_rejection_tree(
 @dataclass(frozen=True)
 class SamplingRule:
     """A lossless acceptance rule for temperature > 0: accept(tree, target logits, the step's Proposal,
-    temperature, generator) -> (leaf, next token); `draws_trees`: the builders draw the tree's children
-    without replacement from the draft distributions (else they build the greedy tree)."""
+    temperature, generator, observer or None) -> (leaf, next token); `draws_trees`: the builders draw the
+    tree's children without replacement from the draft distributions (else they build the greedy tree) and
+    the rule reports its per-child acceptance probabilities to an observer (`weaver.calibration`)."""
 
-    accept: Callable[[Tree, torch.Tensor, Proposal, float, torch.Generator | None], tuple[int, int]]
+    accept: Callable[[Tree, torch.Tensor, Proposal, float, torch.Generator | None, Observer | None], tuple[int, int]]
     draws_trees: bool
 
 
 # To add a rule: one entry here (`eval.sampling` and `speculative_generate(sampling=...)` read this table).
 SAMPLING_RULES: dict[str, SamplingRule] = {
-    "rrs": SamplingRule(lambda tree, logits, proposal, temperature, generator: recursive_rejection_tree(
-        tree, logits, proposal.child_probs, temperature, generator), draws_trees=True),
-    "target_only": SamplingRule(lambda tree, logits, proposal, temperature, generator: target_only_tree(
+    "rrs": SamplingRule(lambda tree, logits, proposal, temperature, generator, observe: recursive_rejection_tree(
+        tree, logits, proposal.child_probs, temperature, generator, observe), draws_trees=True),
+    "target_only": SamplingRule(lambda tree, logits, proposal, temperature, generator, observe: target_only_tree(
         tree, logits, temperature, generator), draws_trees=False),
 }

@@ -32,6 +32,7 @@ from weaver.search import ChildLogProbs, Grown, Proposal, best_first_tree
 from weaver.tree import Tree
 
 if TYPE_CHECKING:
+    from weaver.calibration import AcceptanceTable
     from weaver.models.cache import ModelCache
     from weaver.models.target import TargetModel
 
@@ -57,7 +58,8 @@ class SearchConfig:
     is given, else greedy; `children` per node of the Weaver search (`weaver.search.children`); `nodes_per_call` nodes the Weaver
     and oracle searches expand per adapter / target call (default ceil(budget / 16), or with `anytime`
     ceil(tree size so far / 16), so that any budget's tree is a prefix of a larger one's: `budget: auto`);
-    `compiled`: the Weaver search's adapter step through torch.compile."""
+    `compiled`: the Weaver search's adapter step through torch.compile; `priority`: sampled trees rank nodes
+    by this table's estimated acceptance (`weaver.calibration`) instead of draft probability."""
 
     budget: int
     children: int = DEFAULT_CHILDREN
@@ -66,6 +68,7 @@ class SearchConfig:
     temperature: float = 1.0
     compiled: bool = False
     anytime: bool = False
+    priority: AcceptanceTable | None = None
 
     def per_call(self) -> int | Callable[[int], int]:
         return self.nodes_per_call or (expansion_batch if self.anytime else expansion_batch(self.budget))
@@ -84,11 +87,12 @@ def marginal_logprobs(draft_logits: torch.Tensor, temperature: float = 1.0, keep
 
 
 def marginal_tree(anchor: int, draft_logits: torch.Tensor, budget: int, width: int,
-                  generator: torch.Generator | None, temperature: float) -> Proposal:
+                  generator: torch.Generator | None, temperature: float,
+                  priority: AcceptanceTable | None = None) -> Proposal:
     """Best-first over the factorized marginals draft_logits (D, V): depth d scores use row d - 1."""
     child_logprobs = marginal_logprobs(draft_logits, temperature, None if generator else width)
     return best_first_tree(anchor, budget, len(draft_logits), child_logprobs, width, generator=generator,
-                           vocab_size=draft_logits.shape[-1], device=draft_logits.device)
+                           vocab_size=draft_logits.shape[-1], priority=priority, device=draft_logits.device)
 
 
 def chain_tree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
@@ -109,12 +113,13 @@ def chain_tree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: 
 
 
 def ddtree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
-           temperature: float = 1.0) -> Proposal:
+           temperature: float = 1.0, priority: AcceptanceTable | None = None) -> Proposal:
     """DDTree: up to `budget` children per node under the factorized marginals. Greedy trees in one pass per
     depth (`best_paths`), sampled ones by the search (children drawn without replacement)."""
     if generator is None:
         return best_paths(anchor, draft_logits, budget, temperature)
-    return marginal_tree(anchor, draft_logits, budget, min(budget, draft_logits.shape[-1]), generator, temperature)
+    return marginal_tree(anchor, draft_logits, budget, min(budget, draft_logits.shape[-1]), generator, temperature,
+                         priority)
 
 
 def best_paths(anchor: int, draft_logits: torch.Tensor, budget: int, temperature: float = 1.0) -> Proposal:
@@ -162,7 +167,7 @@ def oracle_tree(step: StepInputs, search: SearchConfig) -> Proposal:
 
     return best_first_tree(step.anchor, search.budget, step.draft.logits.shape[1], logprobs,
                            min(search.budget, target.cfg.vocab_size), search.per_call(), search.generator,
-                           device=target.embed.weight.device)
+                           priority=search.priority, device=target.embed.weight.device)
 
 
 def weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
@@ -190,7 +195,8 @@ def weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
         return (scores / search.temperature).log_softmax(-1), pool_tokens[depths]
 
     return best_first_tree(step.anchor, search.budget, len(draft_logits), logprobs, min(search.children, adapter.cfg.pool_size),
-                           search.per_call(), search.generator, vocab_size=draft_logits.shape[-1], device=candidates.device)
+                           search.per_call(), search.generator, vocab_size=draft_logits.shape[-1], priority=search.priority,
+                           device=candidates.device)
 
 
 def max_tree_nodes(max_depth: int, branching: int) -> int:
@@ -263,7 +269,7 @@ TREE_METHODS: dict[str, TreeMethod] = {
                                                         search.generator, search.temperature),
                         chain_limit, whole_block=True),
     "ddtree": TreeMethod(lambda step, search: ddtree(step.anchor, step.draft.logits[0], search.budget, search.generator,
-                                                     search.temperature),
+                                                     search.temperature, search.priority),
                          vocabulary_limit),
     "weaver": TreeMethod(weaver_tree, search_children_limit, needs=("adapter",)),
     "oracle": TreeMethod(oracle_tree, vocabulary_limit),

@@ -15,6 +15,7 @@ import torch
 
 from weaver.acceptance import SAMPLING_RULES, check_finite, greedy_tree
 from weaver.budget import BudgetPlanner
+from weaver.calibration import AcceptanceTable
 from weaver.builders import (
     SearchConfig, StepInputs, check_budget, check_children, default_children, propose, tree_method,
 )
@@ -116,6 +117,7 @@ def speculative_generate(
     children: int | None = None,
     nodes_per_call: int | None = None,
     compiled: bool = False,
+    priority: AcceptanceTable | None = None,
 ) -> tuple[list[int], SpecStats]:
     """New tokens for one prompt with draft trees, plus acceptance statistics.
 
@@ -127,7 +129,10 @@ def speculative_generate(
     compiled: run the target's verify pass (`TargetModel.verify`) and the Weaver search's adapter step
     (`WeaverAdapter.scorer`) compiled; trees can differ from eager ones only at float near-ties of the
     adapter's scores, and greedy acceptance only at near-ties of the target's logits (tested equal). children: the
-    Weaver search's children per node (default 8, or the adapter's pool when smaller).
+    Weaver search's children per node (default 8, or the adapter's pool when smaller). priority: with `rrs`,
+    rank the tree's nodes by this table's estimate of how often the rule reaches them (`weaver.calibration`),
+    which this call keeps learning from its steps (pass one table across a run's prompts); None: by draft
+    probability.
 
     Bad input (`check_request`) raises `WeaverError` before any model runs; so do NaN/inf logits of the
     target or the drafter (and NaN scores of the adapter), naming the step, instead of a wrong token.
@@ -163,7 +168,7 @@ def speculative_generate(
         clock.lap("draft")
         proposal = propose(method, StepInputs(int(anchor), draft, hidden, target, cache, adapter), SearchConfig(
             step_budget, children, nodes_per_call, generator if drawn else None, temperature if drawn else 1.0, compiled,
-            anytime=planner is not None))
+            anytime=planner is not None, priority=priority if drawn else None))
         tree = proposal.tree
         if scored_by_adapter:
             check_finite(torch.cat([lp.flatten() for _, lp, _ in proposal.expansions]), "the Weaver adapter's scores",
@@ -177,7 +182,8 @@ def speculative_generate(
         if rule is None:
             leaf, bonus = greedy_tree(tree, logits)
         else:
-            leaf, bonus = rule.accept(tree, logits, proposal, temperature, generator)
+            leaf, bonus = rule.accept(tree, logits, proposal, temperature, generator,
+                                      priority.observer(proposal) if drawn and priority else None)
         path = tree.path_to(leaf)
         clock.lap("accept")
         target.commit(cache, pending, leaf=leaf)
@@ -189,5 +195,7 @@ def speculative_generate(
         stats.budgets.append(step_budget)
         if planner:
             planner.observe(step_budget, path[1:].tolist(), time.perf_counter() - step_start)
+        if drawn and priority:
+            priority.refresh()
     clock.lap("commit")
     return until_eos(new[:max_new_tokens], eos_token_id), stats

@@ -11,7 +11,9 @@ Greedy decoding takes each node's children in order of probability (k-best searc
 without replacement from the node's distribution, all at once by Gumbel-top-k (a draw in that order has
 the law of successive draws); a slot's priority then uses the mass still undrawn, which depends only on
 the children drawn before it, so whether a child exists never depends on its own value: the condition
-recursive rejection sampling (`weaver.acceptance.recursive_rejection_tree`) needs.
+recursive rejection sampling (`weaver.acceptance.recursive_rejection_tree`) needs. With an
+`AcceptanceTable` (`weaver.calibration`) a sampled child's share of the path score is instead the table's
+estimate of the log-probability that RRS reaches it from its node.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from weaver.errors import WeaverError
 from weaver.tree import Tree
+
+if TYPE_CHECKING:
+    from weaver.calibration import AcceptanceTable
 
 
 @dataclass
@@ -36,7 +42,7 @@ class Grown:
     tokens: torch.Tensor  # (capacity,) long
     parents: torch.Tensor  # (capacity,) long, -1 for the anchor
     depths: torch.Tensor  # (capacity,) long, 0 for the anchor
-    scores: torch.Tensor  # (capacity,) float: sum of the path's log-probs
+    scores: torch.Tensor  # (capacity,) float: sum of the path's log-probs (or calibrated log-reaches)
     ancestors: torch.Tensor  # (capacity, capacity) bool: [i, j] when j is an ancestor of i or i itself
     size: int = 1
 
@@ -49,12 +55,13 @@ class Grown:
         return cls(tokens, torch.full_like(tokens, -1), torch.zeros_like(tokens),
                    torch.zeros(capacity, dtype=torch.float32, device=device), ancestors)
 
-    def add(self, parents: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-        """Append children (parents, tokens, their log-probs): one scatter per field. Returns their node ids."""
+    def add(self, parents: torch.Tensor, tokens: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
+        """Append children (parents, tokens, their shares of the path score): one scatter per field. Returns
+        their node ids."""
         new = torch.arange(self.size, self.size + len(parents), device=parents.device)
         self.tokens[new], self.parents[new] = tokens, parents
         self.depths[new] = self.depths[parents] + 1
-        self.scores[new] = self.scores[parents] + logprobs
+        self.scores[new] = self.scores[parents] + gains
         self.ancestors[new] = self.ancestors[parents]
         self.ancestors[new, new] = True
         self.size += len(parents)
@@ -107,31 +114,32 @@ def ranked_children(logprobs: torch.Tensor, width: int, generator: torch.Generat
 
 
 class Slots:
-    """Every expanded node's children not yet in the tree: (node, k) -> priority, token, log-prob."""
+    """Every expanded node's children not yet in the tree: (node, k) -> priority, token, and the child's
+    share of the path score (its log-prob, or with an `AcceptanceTable` its estimated log-reach)."""
 
     def __init__(self, capacity: int, width: int, device: torch.device | str):
         self.priority = torch.full((capacity, width), -math.inf, device=device)
         self.tokens = torch.zeros(capacity, width, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(capacity, width, device=device)
+        self.gains = torch.zeros(capacity, width, device=device)
 
-    def fill(self, nodes: torch.Tensor, priority: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    def fill(self, nodes: torch.Tensor, priority: torch.Tensor, tokens: torch.Tensor, gains: torch.Tensor) -> None:
         w = priority.shape[1]
-        self.priority[nodes, :w], self.tokens[nodes, :w], self.logprobs[nodes, :w] = priority, tokens, logprobs
+        self.priority[nodes, :w], self.tokens[nodes, :w], self.gains[nodes, :w] = priority, tokens, gains
 
     def take_best(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(parents, tokens, log-probs) of the n best slots (fewer when fewer are left), best first."""
+        """(parents, tokens, score gains) of the n best slots (fewer when fewer are left), best first."""
         flat = self.priority.view(-1)
         values, index = flat.topk(min(n, len(flat)))
         index = index[values > -math.inf]
         flat[index] = -math.inf
         node, k = index // self.priority.shape[1], index % self.priority.shape[1]
-        return node, self.tokens[node, k], self.logprobs[node, k]
+        return node, self.tokens[node, k], self.gains[node, k]
 
 
 def best_first_tree(
     anchor: int, budget: int, max_depth: int, child_logprobs: ChildLogProbs, width: int,
     nodes_per_call: int | Callable[[int], int] = 1, generator: torch.Generator | None = None,
-    vocab_size: int | None = None, *, device: torch.device | str,
+    vocab_size: int | None = None, priority: AcceptanceTable | None = None, *, device: torch.device | str,
 ) -> Proposal:
     """The tree of at most `budget` draft nodes below `anchor` (node 0), nodes in the order taken.
 
@@ -139,6 +147,7 @@ def best_first_tree(
     nodes_per_call: nodes per expansion wave, or a function of the tree's size so far (a schedule that does
     not depend on the budget keeps the budget-b tree equal to the first b nodes of any larger one).
     vocab_size: needed when `child_logprobs` returns supports rather than vocabulary rows.
+    priority: sampled trees score a child by this table's estimated log-reach instead of its draft mass.
     device: where the tree and the search live (the target's).
     """
     grown, slots = Grown.start(anchor, budget + 1, device), Slots(budget + 1, width, device)
@@ -155,16 +164,20 @@ def best_first_tree(
         logprobs = logprobs.float()
         order, log_mass = ranked_children(logprobs, width, generator)
         tokens = order if support is None else support.gather(1, order)
-        slots.fill(nodes, grown.scores[nodes, None] + log_mass, tokens, logprobs.gather(1, order))
+        gains = logprobs.gather(1, order)
+        if priority is not None and generator is not None:
+            reach = priority.child_log_reach(grown.depths[nodes] + 1, logprobs.max(-1).values.exp(), order.shape[1])
+            log_mass = gains = torch.where(log_mass > -math.inf, reach, -math.inf)
+        slots.fill(nodes, grown.scores[nodes, None] + log_mass, tokens, gains)
         expansions.append((nodes, logprobs, support))
 
     expand(torch.zeros(1, dtype=torch.long, device=device))
     while grown.size <= budget:
         per_call = nodes_per_call(grown.size) if callable(nodes_per_call) else nodes_per_call
-        parents, tokens, logprobs = slots.take_best(min(per_call, budget + 1 - grown.size))
+        parents, tokens, gains = slots.take_best(min(per_call, budget + 1 - grown.size))
         if len(parents) == 0:
             break
-        new = grown.add(parents, tokens, logprobs)
+        new = grown.add(parents, tokens, gains)
         if grown.size <= budget:
             expand(new)
     return Proposal(grown.tree(), expansions, vocab_size)
@@ -173,10 +186,11 @@ def best_first_tree(
 def best_first_reference(
     anchor: int, budget: int, max_depth: int, child_logprobs: ChildLogProbs, width: int,
     nodes_per_call: int | Callable[[int], int] = 1, generator: torch.Generator | None = None,
-    vocab_size: int | None = None, *, device: torch.device | str,
+    vocab_size: int | None = None, priority: AcceptanceTable | None = None, *, device: torch.device | str,
 ) -> Proposal:
     """`best_first_tree` written plainly: a heap of slots popped one at a time, each sampled child drawn
-    by its own `torch.multinomial`. Greedy trees equal the fast search's (tests/test_builders.py)."""
+    by its own `torch.multinomial`. Greedy trees equal the fast search's, and so do the shapes of calibrated
+    sampled trees whose child distributions depend on depth only (tests/test_builders.py)."""
     grown = Grown.start(anchor, budget + 1, device)
     heap: list[tuple[float, int, int]] = []  # (-priority, tie-break, node whose next child this slot is)
     tie_break = itertools.count()
@@ -197,8 +211,12 @@ def best_first_reference(
         logprobs, support = (out, None) if isinstance(out, torch.Tensor) else out
         expansions.append((ids, logprobs.float(), support))
         for j, n in enumerate(nodes):
+            reach = None
+            if priority is not None and generator is not None:
+                confidence = logprobs[j].float().max().exp()[None]
+                reach = priority.child_log_reach(grown.depths[n][None] + 1, confidence, width)[0].cpu()
             children[n] = _Children(logprobs[j].float().cpu(), None if support is None else support[j].cpu(),
-                                    width, generator)
+                                    width, generator, reach)
             push_slot(n)
 
     expand([0])
@@ -207,10 +225,10 @@ def best_first_reference(
         per_call = nodes_per_call(grown.size) if callable(nodes_per_call) else nodes_per_call
         while heap and len(new) < per_call and grown.size <= budget:
             _, _, parent = heapq.heappop(heap)
-            token, logprob = children[parent].take()
+            token, gain = children[parent].take()
             new.append(grown.size)
             grown.add(torch.tensor([parent], device=device), torch.tensor([token], device=device),
-                      torch.tensor([logprob], device=device))
+                      torch.tensor([gain], device=device))
             push_slot(parent)
         if grown.size <= budget:
             expand(new)
@@ -219,30 +237,35 @@ def best_first_reference(
 
 class _Children:
     """The children of one expanded node, one at a time: in order of probability, or drawn without
-    replacement from the node's distribution over its support."""
+    replacement from the node's distribution over its support; `reach`: the calibrated log-reach of each
+    rank (sampled trees with an `AcceptanceTable`)."""
 
     def __init__(self, logprobs: torch.Tensor, support: torch.Tensor | None, width: int,
-                 generator: torch.Generator | None):
-        self.logprobs, self.support, self.generator = logprobs, support, generator
+                 generator: torch.Generator | None, reach: torch.Tensor | None = None):
+        self.logprobs, self.support, self.generator, self.reach = logprobs, support, generator, reach
         self.width, self.taken = min(width, len(logprobs)), 0
         self.ranked = logprobs.argsort(descending=True)
         self.undrawn = logprobs.exp()
 
     def next_log_mass(self) -> float | None:
-        """Log of the mass the next child takes (greedy: its probability; sampled: the undrawn mass)."""
+        """Log of the mass the next child takes (greedy: its probability; sampled: the undrawn mass, or
+        its calibrated log-reach)."""
         if self.taken >= self.width:
             return None
         if self.generator is None:
             return float(self.logprobs[self.ranked[self.taken]])
         mass = float(self.undrawn.sum())
-        return math.log(mass) if mass > 1e-12 else None
+        if mass <= 1e-12:
+            return None
+        return math.log(mass) if self.reach is None else float(self.reach[self.taken])
 
     def take(self) -> tuple[int, float]:
-        """(token, log-prob) of the next child."""
+        """(token, share of the path score) of the next child: its log-prob, or its calibrated log-reach."""
         if self.generator is None:
             index = int(self.ranked[self.taken])
         else:
             index = int(torch.multinomial(self.undrawn, 1, generator=self.generator))
             self.undrawn[index] = 0.0
+        gain = float(self.logprobs[index]) if self.reach is None else float(self.reach[self.taken])
         self.taken += 1
-        return (index if self.support is None else int(self.support[index])), float(self.logprobs[index])
+        return (index if self.support is None else int(self.support[index])), gain

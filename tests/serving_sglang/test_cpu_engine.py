@@ -63,6 +63,7 @@ def run_engines(target: str, drafter: str, out: str) -> None:
     engines += [(method, dict(speculative_algorithm=method.upper(), **ours)) for method in WORKERS]
     for name, extra in engines:
         os.environ["WEAVER_TRACE"] = str(Path(out).with_name(f"{name}.trace.jsonl"))  # read by our workers
+        os.environ["WEAVER_RRS_PRIORITY"] = "acceptance" if name == "weaver" else "draft"  # both kinds of sampled tree
         engine = sgl.Engine(model_path=target, **ENGINE_ARGS, **extra)
         try:
             runs = [engine.generate(input_ids=[p], sampling_params=sampling, return_logprob=True) for p in singles]
@@ -167,9 +168,10 @@ def test_our_worker_drafts_what_the_reference_engine_drafts(engine_runs, method)
 
 @pytest.mark.parametrize("method", WORKERS)
 def test_our_worker_samples_the_targets_distribution(engine_runs, method):
-    """Sampled requests (temperature 0.3) through drawn trees and our recursive rejection sampling: the 2nd
-    and 3rd tokens of many runs against their exact distributions (Pearson chi-square; cells expecting fewer
-    than 5 draws pooled). SGLang's own CPU verify would be greedy here and fail it. With this random drafter
+    """Sampled requests (temperature 0.3) through drawn trees (DDTREE's ranked by draft probability, WEAVER's by
+    the worker's acceptance table, WEAVER_RRS_PRIORITY) and our recursive rejection sampling: the 2nd and 3rd
+    tokens of many runs against their exact distributions (Pearson chi-square; cells expecting fewer than 5 draws
+    pooled). SGLang's own CPU verify would be greedy here and fail it. With this random drafter
     about 9% of the drafts are accepted (tens per run): enough to exercise the accepted-draft path of the
     worker's wiring (its trees' draws, the verify rows, the commit); the rule's own statistics are tested in
     tests/test_acceptance_rules.py."""

@@ -18,7 +18,9 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from checkpoints import ADAPTER, DRAFTER, TARGET, checkpoint
 from weaver.errors import WeaverError
-from weaver.serving.sglang import ADAPTER_ENV, ALGORITHMS, CHILDREN_ENV, DEFAULT_DRAFT_TOKENS, register
+from weaver.serving.sglang import (
+    ADAPTER_ENV, ALGORITHMS, CHILDREN_ENV, DEFAULT_DRAFT_TOKENS, RRS_PRIORITY_ENV, register,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,8 @@ def test_server_args_without_a_drafter_stop_with_the_reason(name, tiny_model):
 
 def test_weavers_settings_are_checked_before_loading(tiny_model, monkeypatch):
     """WEAVER without an adapter, an adapter folder that is not one, more children than the adapter's pool (16
-    here) or a malformed count: one message each from resolving the arguments, before any model loads."""
+    here), a malformed count or an unknown priority for sampled trees: one message each from resolving the
+    arguments, before any model loads."""
     load_plugins()
 
     def resolve():
@@ -85,6 +88,11 @@ def test_weavers_settings_are_checked_before_loading(tiny_model, monkeypatch):
         resolve()
     monkeypatch.setenv(CHILDREN_ENV, "16")
     resolve()  # the pool's size itself is fine
+    monkeypatch.setenv(RRS_PRIORITY_ENV, "learned")
+    with pytest.raises(ValueError, match=f"{RRS_PRIORITY_ENV} must be one of \\['draft', 'acceptance'\\], got 'learned'"):
+        resolve()
+    monkeypatch.setenv(RRS_PRIORITY_ENV, "acceptance")
+    resolve()
 
 
 def test_launch_server_finds_the_plugin_and_stops_before_loading(tiny_model):

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from weaver.builders import TREE_METHODS
 from weaver.budget import BudgetPlanner, check_budgets, check_candidates, measure_step_costs
+from weaver.calibration import RRS_PRIORITIES
 from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
 from weaver.engine import PHASES, SpecStats, speculative_generate
 from weaver.errors import WeaverError
@@ -156,8 +157,9 @@ def _decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, gene
     e = cfg.eval
     extra = {name: models[name] for name in method_spec(method).needs if name != "drafter"}
     search = cfg.weaver.search
+    priority = RRS_PRIORITIES[e.rrs_priority]()  # one table learns across the run's prompts
     options = dict(sampling=e.sampling, children=search.children, nodes_per_call=search.nodes_per_call, compiled=e.compile,
-                   **extra)
+                   priority=priority, **extra)
     max_new_tokens = max_new_tokens or e.max_new_tokens
     return lambda prompt, budget: speculative_generate(models["target"], models["drafter"], prompt, max_new_tokens,
                                                        e.temperature, eos, generator, method, budget, **options)
@@ -219,6 +221,8 @@ def check_names(cfg: DictConfig) -> None:
     check_budgets(list(cfg.eval.budgets))
     if not is_count(cfg.eval.seed, 0):
         raise WeaverError(f"eval.seed must be a whole number >= 0, got {cfg.eval.seed!r}")
+    if cfg.eval.rrs_priority not in RRS_PRIORITIES:
+        raise WeaverError(f"eval.rrs_priority must be one of {list(RRS_PRIORITIES)}, got {cfg.eval.rrs_priority!r}")
     if "auto" in cfg.eval.budgets:
         check_candidates(list(cfg.eval.auto_budget.candidates))
 

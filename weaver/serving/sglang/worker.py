@@ -38,6 +38,7 @@ from torch import nn
 
 from weaver.acceptance import recursive_rejection_tree
 from weaver.builders import TREE_METHODS, SearchConfig, StepInputs, default_children, propose
+from weaver.calibration import RRS_PRIORITIES
 from weaver.errors import WeaverError
 from weaver.models.adapter import WeaverAdapter, load_adapter
 from weaver.models.drafter import DrafterCache
@@ -106,6 +107,7 @@ class TreeWorker(BaseSpecWorker):
         self.adapter = self._load_adapter()
         pool = self.adapter.cfg.pool_size if self.adapter is not None else None
         self.children = self.settings.children or default_children(pool)
+        self.priority = RRS_PRIORITIES[self.settings.rrs_priority]()  # sampled requests' trees, learnt from all of them
         self._tap_states(model)
         self.requests: dict[str, RequestState] = {}
 
@@ -255,7 +257,7 @@ class TreeWorker(BaseSpecWorker):
                                    torch.tensor([seq_len], device=self.device), max_depth=budget)
         state.proposal = propose(self.method, StepInputs(anchor, draft, state.last_hidden, self.head, adapter=self.adapter),
                                  SearchConfig(budget, self.children, self.settings.nodes_per_call, state.generator,
-                                              state.temperature or 1.0))
+                                              state.temperature or 1.0, priority=self.priority if state.generator else None))
         if self.settings.trace:  # the trace's fingerprint of the drafter's inputs; off the hot path otherwise
             state.top_logits = draft.logits[0].topk(TRACE_TOP).values
         return state.proposal.tree
@@ -279,7 +281,10 @@ class TreeWorker(BaseSpecWorker):
             if state.generator is not None:
                 tree = state.proposal.tree
                 leaves[b] = recursive_rejection_tree(tree, logits[b * n : b * n + len(tree)],
-                                                     state.proposal.child_probs, state.temperature, state.generator)
+                                                     state.proposal.child_probs, state.temperature, state.generator,
+                                                     self.priority.observer(state.proposal) if self.priority else None)
+        if self.priority:
+            self.priority.refresh()
         predict, accept_index, drafts = accept_outputs([state.proposal.tree for state in states], leaves, n)
         return predict, drafts + 1, accept_index
 
