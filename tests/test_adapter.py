@@ -195,7 +195,7 @@ def chi_square_pvalue(samples: torch.Tensor, joint: torch.Tensor) -> float:
     return float(chi2.sf(stat, len(expected) - 1))
 
 
-def accept_every_draft(tree, logits, proposal, temperature, generator):
+def accept_every_draft(tree, logits, proposal, temperature, generator, observe=None):
     """Broken on purpose: follow the first child to a leaf, then sample the bonus from the target."""
     leaf = 0
     while tree.children(leaf):
