@@ -34,6 +34,7 @@ from transformers import Qwen3Config
 
 from weaver.errors import WeaverError
 from weaver.io import atomic_dir
+from weaver.models.compile import compile_dynamic
 from weaver.models.config import from_hf, is_count
 from weaver.models.drafter import DrafterLayer
 from weaver.models.layers import RMSNorm, rope_tables
@@ -178,7 +179,7 @@ class WeaverAdapter(nn.Module):
         if not compiled:
             return self.score_nodes
         if self._compiled_scorer is None:
-            self._compiled_scorer = torch.compile(self.score_nodes, dynamic=True)
+            self._compiled_scorer = compile_dynamic(self.score_nodes)
         return self._compiled_scorer
 
     def pool_scores(self, states: torch.Tensor, pool_logits: torch.Tensor, pool_candidates: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from kernels.tree_attention import tree_attention
 from kernels.tree_conv import conv_windows, tree_conv1d, tree_conv_commit_
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
+from weaver.models.compile import compile_dynamic
 from weaver.models.config import TargetConfig
 from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_
 from weaver.models.layers import MLP, RMSNorm, apply_rope, rms_norm, rope_tables
@@ -231,7 +232,7 @@ class TargetModel(nn.Module):
         if not compiled:
             return self.forward
         if self._compiled_forward is None:
-            self._compiled_forward = torch.compile(self.forward, dynamic=True)
+            self._compiled_forward = compile_dynamic(self.forward)
         return self._compiled_forward
 
     def new_cache(self, batch_size: int, max_len: int) -> ModelCache:
@@ -302,7 +303,7 @@ class TargetModel(nn.Module):
         if self._compiled_tree_layers is None:
             # one graph per tree size: the default limit of 8 would silently fall back to eager
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            compiled = torch.compile(self.run_layers, dynamic=True, fullgraph=True)
+            compiled = compile_dynamic(self.run_layers, fullgraph=True)
 
             def run(input_ids: torch.Tensor, step: Step, *args: Any) -> TargetOutput:
                 for t in (input_ids, step.positions, step.cos, step.sin, step.ancestors, step.conv_index):
