@@ -1,4 +1,4 @@
-"""`torch.compile` for the inference steps (decode, verify, drafter, adapter): dynamic shapes, so that one
+"""`torch.compile` for the inference steps (decode, verify, adapter): dynamic shapes, so that one
 graph serves every context length."""
 
 from __future__ import annotations
