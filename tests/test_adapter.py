@@ -64,7 +64,7 @@ def path_alone_logprobs(adapter, target, logits, hidden, target_hidden, path: li
     causal = torch.ones(D, D, dtype=torch.bool).tril()[None]
     states = adapter(adapter.node_inputs(target, torch.tensor(path))[None], torch.arange(D), cache, causal)[0, -1]
     k = D - 1
-    scores = adapter.pool_scores(states, pool_logits[k], adapter.candidate_table(target)[pool_tokens[k]])
+    scores = adapter.pool_scores(states, pool_logits[k], adapter.pool_candidates(target, pool_tokens[k]))
     return torch.zeros(logits.shape[-1]).scatter_(0, pool_tokens[k], scores.softmax(-1))
 
 

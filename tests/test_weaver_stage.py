@@ -12,9 +12,10 @@ from hydra import compose, initialize_config_dir
 
 import weaver.train.adapter as adapter_stage
 from weaver.errors import WeaverError
-from weaver.models.adapter import load_adapter
+from weaver.models.adapter import AdapterConfig, WeaverAdapter, load_adapter
 from weaver.pipeline import ROOT_CONF, artifact_dir, load_drafter_for, load_target_and_tokenizer
 from weaver.train.common import Checkpoints
+from weaver.train.drafter import anchored_batches
 
 
 def smoke_config(outputs: Path, *overrides: str):
@@ -58,6 +59,35 @@ def test_weaver_stage_resumes_after_a_crash(smoke_outputs, tmp_path, monkeypatch
     a, b = (load_adapter(tmp_path / x, target, cfg.drafter.block_size - 1) for x in "ab")
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+
+
+def test_adapter_gradients_reproduce_bit_for_bit(smoke_outputs):
+    """The same batch gives the same gradients on every backward: otherwise two identical runs (and a
+    resumed run and an uninterrupted one) drift apart, Muon's orthogonalisation amplifying last-bit noise
+    to 1e-3 in the weights. Pools share tokens across nodes, the case that made P's gradient vary with
+    thread timing when it came from indexing a trainable table."""
+    cfg = smoke_config(smoke_outputs)
+    target, tokenizer = load_target_and_tokenizer(cfg)
+    drafter = load_drafter_for(cfg, target)
+    w = cfg.weaver
+    adapter = WeaverAdapter(AdapterConfig(target.cfg.hidden_size, target.cfg.vocab_size, cfg.drafter.block_size - 1,
+                                          w.d_model, w.num_layers, w.num_heads, w.intermediate_size, w.rank, w.pool_size))
+    torch.nn.init.normal_(adapter.query.weight, std=0.1)  # a trained Q: P gets a gradient
+    rows = datasets.load_from_disk(str(artifact_dir(cfg, "rollouts") / "dataset"))
+    ids, lengths, anchors, states = anchored_batches(tokenizer.pad_token_id or 0, w.train.anchors_per_seq, cfg.seed)(
+        [rows[i] for i in range(8)])
+    grads, threads = [], torch.get_num_threads()
+    torch.set_num_threads(2)  # training's setting (the suite runs on one thread, where every order is the same)
+    try:
+        for _ in range(10):
+            adapter.zero_grad()
+            adapter_stage.adapter_loss(adapter, drafter, target, ids, lengths, anchors, w.train.loss, states)[0].backward()
+            grads.append([p.grad.clone() for p in adapter.parameters()])
+    finally:
+        torch.set_num_threads(threads)
+    for again in grads[1:]:
+        for (name, _), a, b in zip(adapter.named_parameters(), grads[0], again):
+            assert torch.equal(a, b), name
 
 
 def test_pool_acceptance_is_what_rejection_sampling_accepts():

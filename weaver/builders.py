@@ -182,7 +182,7 @@ def weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     if adapter is None:
         raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
     pool_logits, pool_tokens = draft_pools(draft_logits, adapter.cfg.pool_size)
-    candidates = adapter.candidate_table(target)[pool_tokens]  # (D, M, r), constant for this step
+    candidates = adapter.pool_candidates(target, pool_tokens)  # (D, M, r), constant for this step
     # adapter-cache slot of a node = its index in the tree, so a node's mask row is its ancestor row
     prefix = adapter.prefix(step.target_hidden[None], step.draft.hidden[0][None])
     cache = adapter.start(prefix, capacity=search.budget + 1)

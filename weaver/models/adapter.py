@@ -186,18 +186,20 @@ class WeaverAdapter(nn.Module):
         """Scores (..., M) of each node's pool: drafter logit + <P lm_head[c], Q state>.
 
         states (..., d); pool_logits (..., M) the drafter's logits of the pool; pool_candidates (..., M, r)
-        = P lm_head[pool] (rows of `candidate_table`)."""
+        = P lm_head[pool] (`pool_candidates`)."""
         return pool_logits.float() + (pool_candidates @ self.query(states)[..., None]).squeeze(-1).float()
 
-    def candidate_table(self, target: TargetModel) -> torch.Tensor:
-        """P lm_head (V, r): every candidate's projected output embedding. Both factors are frozen at
-        inference, so an adapter in eval mode computes it once per target and keeps it (`train()` and
-        `eval()` drop it)."""
+    def pool_candidates(self, target: TargetModel, pool_tokens: torch.Tensor) -> torch.Tensor:
+        """P lm_head[pool] (..., M, r) for pool_tokens (..., M). Both factors are frozen at inference, so an
+        adapter in eval mode projects the whole vocabulary once per target and keeps that table (`train()`
+        and `eval()` drop it). In training it projects the pool's rows only: the gradient of P is then one
+        matmul, where indexing a trainable table would accumulate repeated rows in a thread-dependent order
+        (CPU `index_put_`), and a run would not reproduce itself bit for bit."""
         if self.training:
-            return self.candidate(target.lm_head.weight)
+            return self.candidate(target.lm_head.weight[pool_tokens])
         if self._table is None or self._table[0] is not target:
             self._table = (target, self.candidate(target.lm_head.weight))
-        return self._table[1]
+        return self._table[1][pool_tokens]
 
     def train(self, mode: bool = True) -> "WeaverAdapter":
         self._table = None

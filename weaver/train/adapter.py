@@ -77,7 +77,7 @@ def adapter_loss(
     cache = adapter.start(adapter.prefix(hidden[rows[:, 0], a[:, 0] - 1], draft_hidden), capacity=D)
     causal = torch.ones(D, D, dtype=torch.bool, device=ids.device).tril()[None]
     node_states = adapter(adapter.node_inputs(target, nodes), torch.arange(D, device=ids.device), cache, causal)
-    scores = adapter.pool_scores(node_states, pool_logits, adapter.candidate_table(target)[pool_tokens])
+    scores = adapter.pool_scores(node_states, pool_logits, adapter.pool_candidates(target, pool_tokens))
     with torch.no_grad():
         teacher = target.lm_head(hidden[rows, at[:, :-1]])  # the target's logits at the chain's nodes
     terms = pool_losses(scores.log_softmax(-1), teacher, pool_tokens, labels)
