@@ -16,8 +16,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # Tiny models, thousands of tiny ops: intra-op threads only add overhead, and they stall badly (about
-# 8 ms per op) when another process holds one of the two cores.
+# 8 ms per op) when another process holds one of the cores, as the other test workers (pytest-xdist, one
+# per core) do. So one thread here and in the train.py / eval.py processes the tests start.
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

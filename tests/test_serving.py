@@ -120,7 +120,8 @@ def test_sglang_plugin_tests_pass_against_the_real_sglang(tmp_path):
     if not SGLANG_PYTHON.exists():
         pytest.fail("no SGLang environment: run `bash scripts/install.sh --serve` (the README's test command does)")
     env = {**os.environ, "TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", **checkpoints(tmp_path)}
-    run = subprocess.run([str(SGLANG_PYTHON), "-m", "pytest", "tests/serving_sglang", "-q", "--noconftest",
+    # -o addopts=: not our suite's options (pytest-xdist workers), which .venv-sglang has no plugin for
+    run = subprocess.run([str(SGLANG_PYTHON), "-m", "pytest", "tests/serving_sglang", "-q", "--noconftest", "-o", "addopts=",
                           "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
     assert "skipped" not in run.stdout.strip().splitlines()[-1], run.stdout[-3000:]
