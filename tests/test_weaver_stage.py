@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 
 import weaver.train.adapter as adapter_stage
 from weaver.errors import WeaverError
-from weaver.models.adapter import AdapterConfig, WeaverAdapter, load_adapter
+from weaver.models.adapter import WeaverAdapter, load_adapter
 from weaver.pipeline import ROOT_CONF, artifact_dir, load_drafter_for, load_target_and_tokenizer
 from weaver.train.common import Checkpoints
 from weaver.train.drafter import anchored_batches
@@ -70,8 +70,7 @@ def test_adapter_gradients_reproduce_bit_for_bit(smoke_outputs):
     target, tokenizer = load_target_and_tokenizer(cfg)
     drafter = load_drafter_for(cfg, target)
     w = cfg.weaver
-    adapter = WeaverAdapter(AdapterConfig(target.cfg.hidden_size, target.cfg.vocab_size, cfg.drafter.block_size - 1,
-                                          w.d_model, w.num_layers, w.num_heads, w.intermediate_size, w.rank, w.pool_size))
+    adapter = WeaverAdapter(adapter_stage.adapter_config(w, target, drafter))
     torch.nn.init.normal_(adapter.query.weight, std=0.1)  # a trained Q: P gets a gradient
     rows = datasets.load_from_disk(str(artifact_dir(cfg, "rollouts") / "dataset"))
     ids, lengths, anchors, states = anchored_batches(tokenizer.pad_token_id or 0, w.train.anchors_per_seq, cfg.seed)(

@@ -132,18 +132,20 @@ def optimizers(adapter: WeaverAdapter, train: DictConfig) -> list[torch.optim.Op
     return [muon, torch.optim.AdamW(others, lr=train.lr, betas=(0.9, 0.95), weight_decay=0.0)]
 
 
+def adapter_config(w: DictConfig, target: TargetModel, drafter: Drafter) -> AdapterConfig:
+    """The adapter that `cfg.weaver` (w) describes, sized for this target and drafter."""
+    return AdapterConfig(target.cfg.hidden_size, target.cfg.vocab_size, drafter.cfg.block_size - 1, w.d_model,
+                         w.num_layers, w.num_heads, w.intermediate_size, w.rank, w.pool_size)
+
+
 def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokenizer, rollouts_dir: Path,
                   out_dir: Path, work_dir: Path, states_dir: Path | None = None) -> dict:
     """Train the adapter described by cfg.weaver on the rollouts; write config.json + model.safetensors."""
     w, train = cfg.weaver, cfg.weaver.train
     check_tokenizer(tokenizer, target.cfg.vocab_size, "the target's tokenizer")
     check_tokenizer_fingerprint("the drafter", getattr(drafter.cfg, "tokenizer_sha256", None), target, tokenizer)
-    adapter_cfg = AdapterConfig(
-        target.cfg.hidden_size, target.cfg.vocab_size, drafter.cfg.block_size - 1, w.d_model, w.num_layers,
-        w.num_heads, w.intermediate_size, w.rank, w.pool_size,
-    )
     torch.manual_seed(cfg.seed)
-    adapter = WeaverAdapter(adapter_cfg)
+    adapter = WeaverAdapter(adapter_config(w, target, drafter))
     init_weights(adapter, train.init_std)
     adapter.reset_scorer()
     target.requires_grad_(False)
