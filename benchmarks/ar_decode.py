@@ -2,6 +2,7 @@
 
     python benchmarks/ar_decode.py --model outputs/artifacts/target-<key>   # any HF folder
     python benchmarks/ar_decode.py --experiment tiny                        # the pipeline's target
+    python benchmarks/ar_decode.py --experiment tiny --compile max-autotune # frozen weights, autotuned matmuls
 
 Both decode greedily, batch 1, for --new-tokens tokens (eos ignored); each is run --repeats times,
 alternating, and the medians are compared. The token sequences must be identical (checked).
@@ -21,6 +22,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from weaver.generate import generate  # noqa: E402
 from weaver.models.checkpoint import load_target  # noqa: E402
+from weaver.models.compile import INDUCTOR_MODES  # noqa: E402
 
 
 def time_ours(model, prompt: list[int], new_tokens: int, compiled: bool = False) -> tuple[float, list[int]]:
@@ -44,6 +46,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile", default="default", choices=sorted(INDUCTOR_MODES), help="inductor mode")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = args.model or experiment_target(args.experiment)
@@ -53,7 +56,7 @@ def main() -> None:
     theirs.generation_config.eos_token_id = None  # decode exactly --new-tokens tokens
     prompt = torch.randint(3, ours.cfg.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
 
-    warm_up = timed(lambda: (time_ours(ours, prompt, 8), time_ours(ours, prompt, 8, compiled=True),
+    warm_up = timed(lambda: (time_ours(ours, prompt, 8), time_ours(ours, prompt, 8, compiled=args.compile),
                              time_transformers(theirs, prompt, 8)))[0]
     print(f"warm-up (includes torch.compile of our decode step): {warm_up:.0f} s")
     seconds: dict[str, list[float]] = {"eager": [], "compiled": [], "transformers": []}
@@ -61,7 +64,7 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved, so drifts in machine load hit all three alike
         for name in seconds:
             timer = time_transformers if name == "transformers" else time_ours
-            extra = {"compiled": True} if name == "compiled" else {}
+            extra = {"compiled": args.compile} if name == "compiled" else {}
             t, tokens[name] = timer(ours if name != "transformers" else theirs, prompt, args.new_tokens, **extra)
             seconds[name].append(t)
     tps = {name: args.new_tokens / statistics.median(s) for name, s in seconds.items()}
@@ -70,7 +73,7 @@ def main() -> None:
           f"batch 1, {args.prompt_tokens} prompt + {args.new_tokens} new tokens, {args.threads} threads, "
           f"median of {args.repeats}")
     print_table_header("decoder", "tokens/s", "ms/token", "vs transformers")
-    for name, label in [("eager", "weaver, eager"), ("compiled", "weaver, torch.compile"), ("transformers", "transformers generate")]:
+    for name, label in [("eager", "weaver, eager"), ("compiled", f"weaver, torch.compile ({args.compile})"), ("transformers", "transformers generate")]:
         print(f"| {label} | {tps[name]:.1f} | {1000 / tps[name]:.2f} | {tps[name] / tps['transformers']:.2f}x |")
     print(f"identical greedy tokens (all three): {same}")
     if not same:

@@ -94,7 +94,7 @@ def main() -> None:
         })
 
     print(f"{cfg.experiment}: {len(prompts)} prompts ({', '.join(e.datasets)}) x {e.max_new_tokens} new tokens, "
-          f"temperature {e.temperature}, AR {'compiled' if e.compile else 'eager'}, median of {args.repeats} rounds, "
+          f"temperature {e.temperature}, AR {f'compiled ({e.compile})' if e.compile else 'eager'}, median of {args.repeats} rounds, "
           f"cpu {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
     print("| run | τ | tokens/s | vs AR | vs chain | efficiency | draft | search | verify | accept | commit | other |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -5,7 +5,7 @@
 
 After a prefill of --context pseudo-random tokens, times `TargetModel.verify` on random trees of each size
 (nothing is committed, so every call sees the same cache) and one-token decode steps, eager and compiled
-(`eval.compile`; a compiled verify pads the tree to its size bucket, `verify_size`), interleaved over
+(`eval.compile`: true or max-autotune; a compiled verify pads the tree to its size bucket, `verify_size`), interleaved over
 --repeats rounds; medians. Arguments other than the options are eval.py
 overrides (model, dtype, device).
 """
@@ -63,7 +63,7 @@ def main() -> None:
     runs = {"decode (eager)": lambda: target(prompt[:, :1], cache), "decode (compiled)": lambda: step(prompt[:, :1], cache),
             **{f"verify {size}": (lambda tree=tree: target.verify(tree, cache)) for size, tree in trees.items()}}
     if cfg.eval.compile:
-        runs |= {f"verify {size} (compiled)": (lambda tree=tree: target.verify(tree, cache, compiled=True))
+        runs |= {f"verify {size} (compiled)": (lambda tree=tree: target.verify(tree, cache, compiled=cfg.eval.compile))
                  for size, tree in trees.items()}
     times: dict[str, list[float]] = {label: [] for label in runs}
     for label, run in runs.items():  # warm-up: allocation and compilation
@@ -73,7 +73,7 @@ def main() -> None:
             times[label].append(timed(run))
     ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
     eager, compiled = ms["decode (eager)"], ms["decode (compiled)"]
-    print(f"{cfg.experiment}: context {args.context}, {target.embed.weight.dtype}, {device}, "
+    print(f"{cfg.experiment}: context {args.context}, {target.embed.weight.dtype}, {device}, compile {cfg.eval.compile}, "
           f"cpu {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, median of {args.repeats}")
     print("| forward | ms | / eager decode | / compiled decode |")
     print("|---|---|---|---|")

@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch._dynamo.utils import counters
 from transformers import Qwen3Config
 
 from hf_tiny import VOCAB, save_tiny_hf_model
 from weaver.errors import WeaverError
 from weaver.models.checkpoint import load_target
-from weaver.models.drafter import Drafter, default_target_layers
+from weaver.models.drafter import Drafter, default_target_layers, depth_bucket
 from weaver.models.drafter_checkpoint import drafter_config, load_drafter, new_drafter_config, save_drafter
 
 MASK = VOCAB - 1
@@ -319,6 +320,38 @@ def test_a_depth_limited_draft_is_the_first_rows_of_the_full_one(target):
         limited = drafter.draft(target, cache, torch.tensor([5]), torch.tensor([9]), max_depth=depth)
         assert limited.logits.shape[1] == min(depth, 5) and torch.equal(limited.hidden, full.hidden)
         torch.testing.assert_close(limited.logits, full.logits[:, :depth], rtol=0, atol=1e-6)
+
+
+def test_depth_buckets():
+    assert [depth_bucket(d, 15) for d in range(1, 17)] == [1, 2, 4, 4, 8, 8, 8, 8] + [15] * 8
+    assert [depth_bucket(d, 3) for d in (1, 2, 3)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("mode", [True, "max-autotune"])
+@torch.inference_mode()
+def test_compiled_draft_equals_eager_for_every_depth_and_context(target, mode):
+    """The compiled block (a graph per logit-row bucket, the context length dynamic) against the eager one,
+    over random context lengths and depths, on the graphs `compile_draft` built beforehand (none traced
+    inside the loop)."""
+    gen = torch.Generator().manual_seed(3)
+    drafter = Drafter(drafter_config(new_drafter_config(target, 2, 9, MASK, target_layer_ids=(1, 3)))).eval()
+    perturb_(drafter, gen)
+    torch._dynamo.reset()
+    drafter.compile_draft(target, set(range(1, 9)), mode)
+    graphs = counters["stats"]["unique_graphs"]
+    for trial in range(6):
+        n = int(torch.randint(2, 30, (1,), generator=gen))
+        ids = torch.randint(3, VOCAB, (1, n), generator=gen)
+        cache = drafter.new_cache(1, 32)
+        drafter.extend_context(cache, [target_states(target, ids)[i] for i in (1, 3)], torch.arange(n)[None])
+        anchor, position = torch.randint(3, VOCAB, (1,), generator=gen), torch.tensor([n])
+        for depth in (1, 3, 8, None):
+            eager = drafter.draft(target, cache, anchor, position, depth)
+            compiled = drafter.draft(target, cache, anchor, position, depth, compiled=mode)
+            assert compiled.logits.shape == eager.logits.shape
+            torch.testing.assert_close(compiled.logits, eager.logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(compiled.hidden, eager.hidden, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs, "a draft recompiled after compile_draft"
 
 
 @torch.no_grad()

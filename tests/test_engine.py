@@ -65,7 +65,7 @@ class OracleDrafter:
         assert cache.positions == list(range(len(cache.positions))), "context positions are not contiguous"
         assert len(cache.positions) <= cache.max_len
 
-    def draft(self, target, cache, anchor, anchor_position, max_depth=None):
+    def draft(self, target, cache, anchor, anchor_position, max_depth=None, compiled=False):
         B, P = self.cfg.block_size, int(anchor_position)
         assert len(cache.positions) == P, "the context must cover exactly the positions before the anchor"
         assert int(anchor) == self.sequence[P], "the anchor is not the committed token at its position"
@@ -131,20 +131,20 @@ def test_empty_prompt_is_refused(target):
         speculative_generate(target, random_drafter(target, 4), [], 8)
 
 
-@pytest.mark.parametrize("method,block_size", [("chain", 16), ("ddtree", 5)])
-def test_compiled_verify_greedy_equals_autoregressive(target, prompts, greedy, method, block_size):
-    """The engine with the compiled verify pass (trees padded to their size bucket) emits the target's own
-    greedy tokens, through long accepted runs and rejections, on the graphs `compile_verify` built (no
+@pytest.mark.parametrize("method,block_size,mode", [("chain", 16, True), ("ddtree", 5, True), ("ddtree", 5, "max-autotune")])
+def test_compiled_verify_greedy_equals_autoregressive(target, prompts, greedy, method, block_size, mode):
+    """The engine with the compiled verify pass (trees padded to their size bucket), in each inductor mode
+    (max-autotune: frozen weights, every matmul's kernel benchmarked), emits the target's own greedy tokens, through long accepted runs and rejections, on the graphs `compile_verify` built (no
     compilation inside decoding, for contexts of 2 tokens or more: dynamo specialises a start of 1). From no
     graphs at all: a graph traced on `compile_verify`'s small cache must not be specialised to its length
     (with duck sizing a cache of 8 slots shared a symbol with the GDN key head dimension 8)."""
     torch._dynamo.reset()
-    target.compile_verify({block_size}, (0, 1))
+    target.compile_verify({block_size}, (0, 1), mode)
     graphs = counters["stats"]["unique_graphs"]
     corrupted = 0
     for i, (prompt, ref) in sorted(enumerate(zip(prompts, greedy)), key=lambda item: len(item[1][0]) < 2):
         oracle = OracleDrafter(target, prompt + ref, block_size, seed=i)
-        out, stats = speculative_generate(target, oracle, prompt, NEW, temperature=0, method=method, compiled=True)
+        out, stats = speculative_generate(target, oracle, prompt, NEW, temperature=0, method=method, compiled=mode)
         assert out == ref[:NEW], f"prompt length {len(prompt)}"
         corrupted += oracle.corrupted
         if len(prompt) >= 2:
@@ -170,6 +170,6 @@ def test_a_method_added_by_one_registry_entry_is_decoded_and_evaluated(target, p
                                       method="sharpened", budget=6)
     assert out == ref and sum(stats.accepted) > 0
     cfg = OmegaConf.create({"eval": {"methods": ["ar", "sharpened"], "datasets": [], "budgets": [4, 8], "seed": 0,
-                                     "backend": "torch", "rrs_priority": "draft"}, "prompt_sets": {}})
+                                     "backend": "torch", "rrs_priority": "draft", "compile": False}, "prompt_sets": {}})
     check_names(cfg)
     assert method_spec("sharpened").budgets(cfg, {}) == [4, 8] and method_spec("sharpened").needs == ("drafter",)

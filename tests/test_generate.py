@@ -58,7 +58,14 @@ def test_empty_prompt_is_refused(models):
         generate(models[0], [[1, 2], []], 4)
 
 
-def test_compiled_decode_equals_eager(models):
+@pytest.mark.parametrize("mode", [True, "max-autotune"])
+def test_compiled_decode_equals_eager(models, mode):
     ours, _ = models
     prompts = [torch.randint(3, VOCAB, (n,)).tolist() for n in (4, 9)]
-    assert generate(ours, prompts, 12, compiled=True) == generate(ours, prompts, 12)
+    assert generate(ours, prompts, 12, compiled=mode) == generate(ours, prompts, 12)
+
+
+@pytest.mark.parametrize("mode", ["max_autotune", "reduce-overhead", 1])
+def test_unknown_compile_mode_is_refused(models, mode):
+    with pytest.raises(WeaverError, match="compile: expected false, true or one of"):
+        generate(models[0], [[1, 2]], 4, compiled=mode)

@@ -66,8 +66,8 @@ class SoakDrafter:
         self.drafter.extend_context(context, taps, positions)
 
     def draft(self, target: TargetModel, cache: DrafterCache, anchor: torch.Tensor, anchor_position: torch.Tensor,
-              max_depth: int | None = None) -> Draft:
-        draft = self.drafter.draft(target, cache, anchor, anchor_position, max_depth)
+              max_depth: int | None = None, compiled: bool | str = False) -> Draft:
+        draft = self.drafter.draft(target, cache, anchor, anchor_position, max_depth, compiled)
         if self.sequence is None:
             return draft
         start = int(anchor_position) + 1

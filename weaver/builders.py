@@ -27,6 +27,7 @@ import torch
 
 from weaver.errors import WeaverError
 from weaver.models.adapter import WeaverAdapter, draft_pools, expansion_batch
+from weaver.models.compile import Compile
 from weaver.models.drafter import Draft
 from weaver.search import ChildLogProbs, Grown, Proposal, best_first_tree
 from weaver.tree import Tree
@@ -58,7 +59,7 @@ class SearchConfig:
     is given, else greedy; `children` per node of the Weaver search (`weaver.search.children`); `nodes_per_call` nodes the Weaver
     and oracle searches expand per adapter / target call (default ceil(budget / 16), or with `anytime`
     ceil(tree size so far / 16), so that any budget's tree is a prefix of a larger one's: `budget: auto`);
-    `compiled`: the Weaver search's adapter step through torch.compile; `priority`: sampled trees rank nodes
+    `compiled`: the Weaver search's adapter step through torch.compile (`weaver.models.compile`); `priority`: sampled trees rank nodes
     by this table's estimated acceptance (`weaver.calibration`) instead of draft probability."""
 
     budget: int
@@ -66,7 +67,7 @@ class SearchConfig:
     nodes_per_call: int | None = None
     generator: torch.Generator | None = None
     temperature: float = 1.0
-    compiled: bool = False
+    compiled: Compile = False
     anytime: bool = False
     priority: AcceptanceTable | None = None
 

@@ -22,6 +22,7 @@ from weaver.builders import (
 from weaver.errors import WeaverError
 from weaver.generate import sample_next, until_eos
 from weaver.models.adapter import WeaverAdapter, check_adapter_fits
+from weaver.models.compile import Compile
 from weaver.models.config import check_prompt, is_count
 from weaver.models.drafter import Drafter, check_pair
 from weaver.models.target import TargetModel, verify_size
@@ -116,7 +117,7 @@ def speculative_generate(
     sampling: str = "rrs",
     children: int | None = None,
     nodes_per_call: int | None = None,
-    compiled: bool = False,
+    compiled: Compile = False,
     priority: AcceptanceTable | None = None,
 ) -> tuple[list[int], SpecStats]:
     """New tokens for one prompt with draft trees, plus acceptance statistics.
@@ -126,8 +127,8 @@ def speculative_generate(
     Greedy (temperature 0) follows the target's argmax through a k-best tree. Sampling: `rrs` draws each
     node's children without replacement from its draft distribution and verifies by recursive rejection
     sampling; `target_only` verifies the greedy tree by sampling from the target alone. Both are lossless.
-    compiled: run the target's verify pass (`TargetModel.verify`) and the Weaver search's adapter step
-    (`WeaverAdapter.scorer`) compiled; trees can differ from eager ones only at float near-ties of the
+    compiled: run the drafter's block (`Drafter.draft`), the target's verify pass (`TargetModel.verify`) and
+    the Weaver search's adapter step (`WeaverAdapter.scorer`) compiled, in that inductor mode (`weaver.models.compile`); trees can differ from eager ones only at float near-ties of the
     adapter's scores, and greedy acceptance only at near-ties of the target's logits (tested equal). children: the
     Weaver search's children per node (default 8, or the adapter's pool when smaller). priority: with `rrs`,
     rank the tree's nodes by this table's estimate of how often the rule reaches them (`weaver.calibration`),
@@ -163,7 +164,7 @@ def speculative_generate(
         step_start = clock.last
         # a tree of b nodes is at most b deep: the drafter's logits beyond that would go unused
         step = len(stats.accepted) + 1
-        draft = drafter.draft(target, context, anchor, cache.next_position, max_depth=step_budget)
+        draft = drafter.draft(target, context, anchor, cache.next_position, max_depth=step_budget, compiled=compiled)
         check_finite(draft.logits, "the drafter's logits", f"at speculative step {step}")
         clock.lap("draft")
         proposal = propose(method, StepInputs(int(anchor), draft, hidden, target, cache, adapter), SearchConfig(

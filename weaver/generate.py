@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from weaver.errors import WeaverError
+from weaver.models.compile import Compile
 from weaver.models.config import check_prompt
 from weaver.models.target import TargetModel
 
@@ -43,11 +44,11 @@ def generate(
     temperature: float = 0.0,
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
-    compiled: bool = False,
+    compiled: Compile = False,
 ) -> list[list[int]]:
     """New tokens for each prompt (stopping at eos, which is kept), at most `max_new_tokens` each.
 
-    compiled: run the single-token steps through `torch.compile` (see `TargetModel.decode_fn`).
+    compiled: run the single-token steps through `torch.compile`, in that inductor mode (`TargetModel.decode_fn`).
     """
     for prompt in prompts:
         check_prompt(model.cfg, prompt, max_new_tokens)

@@ -41,6 +41,7 @@ from weaver.eval.transformers_reference import load_transformers_target, transfo
 from weaver.eval.tracking import log_eval_run, wandb_enabled
 from weaver.generate import generate
 from weaver.io import writable_dir
+from weaver.models.compile import inductor_mode
 from weaver.models.config import check_context, is_count
 from weaver.pipeline import load_adapter_for, load_drafter_for, load_target_and_tokenizer
 
@@ -194,8 +195,8 @@ def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]
 
 def warm_up(models: Models, cfg: DictConfig, token: int, runs: list[tuple[str, int | str]] | None = None) -> None:
     """A short decode of each kind outside the timed loops: first calls pay for allocation and compilation;
-    with eval.compile, the verify graphs of every tree size the (method, budget) runs will verify (default:
-    the config's)."""
+    with eval.compile, the verify and draft graphs of every tree size the (method, budget) runs will verify
+    (default: the config's)."""
     if "ar" in cfg.eval.methods:
         generate(models["target"], [[token] * 4], 4, compiled=cfg.eval.compile)
     if cfg.eval.compile and "drafter" in models:
@@ -203,7 +204,8 @@ def warm_up(models: Models, cfg: DictConfig, token: int, runs: list[tuple[str, i
             runs = [(m, b) for m in cfg.eval.methods if m != "ar" for b in method_spec(m).budgets(cfg, models)]
         sizes = {b + 1 for method, budget in runs
                  for b in (auto_candidates(cfg, models, method) if budget == "auto" else [budget])}
-        models["target"].compile_verify(sizes, models["drafter"].cfg.target_layer_ids)
+        models["target"].compile_verify(sizes, models["drafter"].cfg.target_layer_ids, cfg.eval.compile)
+        models["drafter"].compile_draft(models["target"], {size - 1 for size in sizes}, cfg.eval.compile)
     if "drafter" in models:
         speculative_generate(models["target"], models["drafter"], [token] * 4, 4)
     if "adapter" in models:
@@ -225,6 +227,8 @@ def check_names(cfg: DictConfig) -> None:
         raise WeaverError(f"eval.rrs_priority must be one of {list(RRS_PRIORITIES)}, got {cfg.eval.rrs_priority!r}")
     if "auto" in cfg.eval.budgets:
         check_candidates(list(cfg.eval.auto_budget.candidates))
+    if cfg.eval.compile:
+        inductor_mode(cfg.eval.compile)
 
 
 def evaluate_dataset(cfg: DictConfig, dataset: str, prompts: list[list[int]], models: Models, eos: int | None,

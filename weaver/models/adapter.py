@@ -34,7 +34,7 @@ from transformers import Qwen3Config
 
 from weaver.errors import WeaverError
 from weaver.io import atomic_dir
-from weaver.models.compile import compile_dynamic
+from weaver.models.compile import Compile, compile_dynamic, inductor_mode
 from weaver.models.config import from_hf, is_count
 from weaver.models.drafter import DrafterLayer
 from weaver.models.layers import RMSNorm, rope_tables
@@ -116,7 +116,7 @@ class WeaverAdapter(nn.Module):
         self.candidate = nn.Linear(H, cfg.rank, bias=False)  # P, applied to lm_head rows
         self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
         self._table: tuple[TargetModel, torch.Tensor] | None = None  # (target, P lm_head), eval mode only
-        self._compiled_scorer: Callable[..., torch.Tensor] | None = None
+        self._compiled_scorer: dict[str, Callable[..., torch.Tensor]] = {}  # by inductor mode
         self.tokenizer_sha256: str | None = None  # the target tokenizer it was trained with (saved, checked on load)
         self.reset_scorer()
 
@@ -173,14 +173,16 @@ class WeaverAdapter(nn.Module):
         states = self(self.node_inputs(target, tokens)[None], depths, cache, sees[None], slots)[0]
         return self.pool_scores(states, pool_logits, pool_candidates)
 
-    def scorer(self, compiled: bool = False) -> Callable[..., torch.Tensor]:
-        """`score_nodes`, eager or compiled once per adapter (dynamic shapes: one graph for every wave size
-        and budget). A wave is about a hundred small ops, so compiling halves a Weaver search on a CPU."""
+    def scorer(self, compiled: Compile = False) -> Callable[..., torch.Tensor]:
+        """`score_nodes`, eager or compiled once per adapter and inductor mode (dynamic shapes: one graph for
+        every wave size and budget). A wave is about a hundred small ops, so compiling halves a Weaver
+        search on a CPU."""
         if not compiled:
             return self.score_nodes
-        if self._compiled_scorer is None:
-            self._compiled_scorer = compile_dynamic(self.score_nodes)
-        return self._compiled_scorer
+        mode = inductor_mode(compiled)
+        if mode not in self._compiled_scorer:
+            self._compiled_scorer[mode] = compile_dynamic(self.score_nodes, mode)
+        return self._compiled_scorer[mode]
 
     def pool_scores(self, states: torch.Tensor, pool_logits: torch.Tensor, pool_candidates: torch.Tensor) -> torch.Tensor:
         """Scores (..., M) of each node's pool: drafter logit + <P lm_head[c], Q state>.

@@ -13,6 +13,7 @@ The body is a Qwen3 decoder stack, so its architecture is a `TargetConfig` read 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weaver.errors import WeaverError
+from weaver.models.compile import Compile, compile_dynamic, inductor_mode
 from weaver.models.config import TargetConfig
 from weaver.models.layers import MLP, RMSNorm, apply_rope, rope_tables
 
@@ -47,6 +49,12 @@ def default_target_layers(num_target_layers: int, num_taps: int) -> tuple[int, .
     first, last = 1, max(1, num_target_layers - 3)
     spaced = (round(first + i * (last - first) / (num_taps - 1)) for i in range(num_taps))
     return tuple(dict.fromkeys(spaced))
+
+
+def depth_bucket(depth: int, block_depth: int) -> int:
+    """The logit rows a compiled draft computes for `depth`: the next power of two, at most the block's
+    `block_depth` (1, 2, 4, 8, 15 for blocks of 16), so that a few graphs serve every budget."""
+    return min(1 << max(depth - 1, 0).bit_length(), block_depth)
 
 
 class Draft(NamedTuple):
@@ -122,6 +130,7 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(body) for _ in range(body.num_layers))
         self.norm = RMSNorm(body.hidden_size, body.rms_norm_eps)
         self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
+        self._compiled_block: dict[str, Callable[..., Draft]] = {}  # by inductor mode
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(positions, self.inv_freq, self.cfg.body.rope_scaling, self.fc.weight.dtype)
@@ -175,11 +184,23 @@ class Drafter(nn.Module):
         cache.length += n
 
     def draft(self, target: TargetModel, cache: DrafterCache, anchor: torch.Tensor, anchor_position: torch.Tensor,
-              max_depth: int | None = None) -> Draft:
+              max_depth: int | None = None, compiled: Compile = False) -> Draft:
         """The block for positions anchor+1 .. anchor+B-1 given the cached context.
 
         max_depth: logits for the first `max_depth` positions only (the lm_head over the block is most of a
-        draft's cost; a tree of b nodes never reaches past depth b). The states cover the whole block."""
+        draft's cost; a tree of b nodes never reaches past depth b). The states cover the whole block.
+        compiled: through torch.compile in that inductor mode, a graph per `depth_bucket` of logit rows (the
+        extra rows are cut off here)."""
+        depth = self.cfg.block_size - 1 if max_depth is None else min(max_depth, self.cfg.block_size - 1)
+        if not compiled:
+            return self.block(target, cache, anchor, anchor_position, depth)
+        rows = torch.empty(depth_bucket(depth, self.cfg.block_size - 1), 0)
+        torch._dynamo.mark_static(rows)  # its length is the graph's static number of logit rows
+        draft = self.block_compiled(compiled)(target, cache, anchor, anchor_position, rows)
+        return Draft(draft.logits[:, :depth], draft.hidden)
+
+    def block(self, target: TargetModel, cache: DrafterCache, anchor: torch.Tensor, anchor_position: torch.Tensor,
+              depth: int) -> Draft:
         x = self.block_inputs(target, anchor)
         positions = anchor_position[:, None] + torch.arange(self.cfg.block_size, device=x.device)
         rope = self.rope(positions)
@@ -187,7 +208,30 @@ class Drafter(nn.Module):
             context_kv = (cache.keys[i][:, :, : cache.length], cache.values[i][:, :, : cache.length])
             x = layer(x, rope, context_kv, None)
         hidden = self.norm(x)[:, 1:]
-        return Draft(target.lm_head(hidden[:, :max_depth]), hidden)
+        return Draft(target.lm_head(hidden[:, :depth]), hidden)
+
+    def block_compiled(self, compiled: Compile = True) -> Callable[..., Draft]:
+        """`block` compiled once per drafter and inductor mode; the logit rows are the length of a static
+        tensor, the context length dynamic. With "max-autotune" the lm_head over a few rows gets a GEMM
+        kernel picked by measurement: ATen's costs 2-3x its one-row GEMV on an AVX2 CPU (README)."""
+        mode = inductor_mode(compiled)
+        if mode not in self._compiled_block:
+            graph = compile_dynamic(lambda target, cache, anchor, anchor_position, rows: self.block(
+                target, cache, anchor, anchor_position, rows.shape[0]), mode)
+            self._compiled_block[mode] = graph
+        return self._compiled_block[mode]
+
+    @torch.inference_mode()
+    def compile_draft(self, target: TargetModel, max_depths: set[int], compiled: Compile = True) -> None:
+        """Build the compiled draft graphs for these max depths now, outside any timed loop (after a
+        2-position context: dynamo specialises a length of 0 or 1)."""
+        device = target.embed.weight.device
+        cache = self.new_cache(1, 3)
+        self.extend_context(cache, [torch.zeros(1, 2, self.cfg.body.hidden_size, device=device, dtype=self.fc.weight.dtype)]
+                            * len(self.cfg.target_layer_ids), torch.arange(2, device=device)[None])
+        anchor = torch.zeros(1, dtype=torch.long, device=device)
+        for depth in sorted({depth_bucket(min(d, self.cfg.block_size - 1), self.cfg.block_size - 1) for d in max_depths}):
+            self.draft(target, cache, anchor, torch.full((1,), 2, device=device), depth, compiled)
 
 
 def check_pair(target: TargetModel, drafter: Drafter) -> None:

@@ -27,7 +27,7 @@ from kernels.tree_attention import tree_attention
 from kernels.tree_conv import conv_windows, tree_conv1d, tree_conv_commit_
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
-from weaver.models.compile import compile_dynamic
+from weaver.models.compile import Compile, compile_dynamic, inductor_mode
 from weaver.models.config import TargetConfig
 from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_
 from weaver.models.layers import MLP, RMSNorm, apply_rope, rms_norm, rope_tables
@@ -220,20 +220,22 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", cfg.inv_freq.clone(), persistent=False)
-        self._compiled_forward: Callable[..., TargetOutput] | None = None
-        self._compiled_tree_layers: Callable[..., TargetOutput] | None = None
+        self._compiled_forward: dict[str, Callable[..., TargetOutput]] = {}  # by inductor mode
+        self._compiled_tree_layers: dict[str, Callable[..., TargetOutput]] = {}
 
-    def decode_fn(self, compiled: bool = False) -> Callable[..., TargetOutput]:
-        """The forward for single-token steps: eager, or compiled once per model with torch.compile.
+    def decode_fn(self, compiled: Compile = False) -> Callable[..., TargetOutput]:
+        """The forward for single-token steps: eager, or compiled once per model and inductor mode.
 
         Batch-1 decode of a small model is dispatch-bound (about a thousand tiny ops per token); inductor
-        fuses them. Compilation takes about a minute on 2 CPU cores, so it pays off for long runs only.
+        fuses them, and "max-autotune" also picks each matmul's kernel. Compilation takes a minute or more
+        on 2 CPU cores, so it pays off for long runs only.
         """
         if not compiled:
             return self.forward
-        if self._compiled_forward is None:
-            self._compiled_forward = compile_dynamic(self.forward)
-        return self._compiled_forward
+        mode = inductor_mode(compiled)
+        if mode not in self._compiled_forward:
+            self._compiled_forward[mode] = compile_dynamic(self.forward, mode)
+        return self._compiled_forward[mode]
 
     def new_cache(self, batch_size: int, max_len: int) -> ModelCache:
         p = self.embed.weight
@@ -254,14 +256,14 @@ class TargetModel(nn.Module):
         return output
 
     def verify(
-        self, tree: Tree, cache: ModelCache, tap_layers: tuple[int, ...] = (), compiled: bool = False,
+        self, tree: Tree, cache: ModelCache, tap_layers: tuple[int, ...] = (), compiled: Compile = False,
         budget: int = 0,
     ) -> tuple[TargetOutput, Pending]:
         """Logits of every node of a draft tree (batch 1), each seeing the committed context plus its
         ancestors. Nothing is committed: attention KV goes to scratch slots past `cache.length` and
         GDN layers only read their state; `commit` then keeps the accepted path.
 
-        compiled: run the layers through torch.compile (torch kernels only; with Triton the kernels are
+        compiled: run the layers through torch.compile in that mode (torch kernels only; with Triton the kernels are
         the fast path), the tree padded to `verify_size(max(len(tree), budget + 1))` nodes, so that a few
         graphs serve every tree, a search that stopped short of its `budget` included; the padding's
         scratch slots need room in the cache."""
@@ -271,7 +273,7 @@ class TargetModel(nn.Module):
         run, padded = self.run_layers, tree
         torch_ops = not use_triton(self.embed.weight)
         if compiled and torch_ops:
-            padded, run = tree.padded(verify_size(max(T, budget + 1))), self.tree_layers_compiled()
+            padded, run = tree.padded(verify_size(max(T, budget + 1))), self.tree_layers_compiled(compiled)
         cache.reserve(len(padded))
         positions = cache.next_position[:, None] + padded.depth[None]
         cos, sin = self.rope(positions)
@@ -286,7 +288,7 @@ class TargetModel(nn.Module):
         return output, Pending(tree, start, step.pending)
 
     @torch.inference_mode()
-    def compile_verify(self, tree_sizes: set[int], tap_layers: tuple[int, ...] = ()) -> None:
+    def compile_verify(self, tree_sizes: set[int], tap_layers: tuple[int, ...] = (), compiled: Compile = True) -> None:
         """Build the compiled verify graphs for trees of these node counts now, outside any timed loop.
         After a 2-token context (dynamo specialises a cache start of 0 or 1; real steps start later) and with
         a spare slot (a tree that ends exactly at the cache's end would be specialised to that too)."""
@@ -294,25 +296,24 @@ class TargetModel(nn.Module):
         cache = self.new_cache(1, 3 + max(buckets, default=0))
         self(torch.zeros(1, 2, dtype=torch.long, device=self.embed.weight.device), cache)
         for size in buckets:
-            self.verify(Tree.chain(cache.next_position.new_zeros(size)), cache, tap_layers, compiled=True)
+            self.verify(Tree.chain(cache.next_position.new_zeros(size)), cache, tap_layers, compiled)
 
-    def tree_layers_compiled(self) -> Callable[..., TargetOutput]:
-        """`run_layers` for verify steps, compiled once per model: a graph per tree size (static: the
-        tree's tensors are marked so), the cache length dynamic. A 5M model's verify is dispatch-bound
-        (thousands of small ops per pass); inductor fuses them."""
-        if self._compiled_tree_layers is None:
-            # one graph per tree size: the default limit of 8 would silently fall back to eager
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            compiled = compile_dynamic(self.run_layers, fullgraph=True)
+    def tree_layers_compiled(self, compiled: Compile = True) -> Callable[..., TargetOutput]:
+        """`run_layers` for verify steps, compiled once per model and inductor mode: a graph per tree size
+        (static: the tree's tensors are marked so), the cache length dynamic. A 5M model's verify is
+        dispatch-bound (thousands of small ops per pass); inductor fuses them."""
+        mode = inductor_mode(compiled)
+        if mode not in self._compiled_tree_layers:
+            graph = compile_dynamic(self.run_layers, mode, fullgraph=True)
 
             def run(input_ids: torch.Tensor, step: Step, *args: Any) -> TargetOutput:
                 for t in (input_ids, step.positions, step.cos, step.sin, step.ancestors, step.conv_index):
                     if t is not None:
                         torch._dynamo.mark_static(t)
-                return compiled(input_ids, step, *args)
+                return graph(input_ids, step, *args)
 
-            self._compiled_tree_layers = run
-        return self._compiled_tree_layers
+            self._compiled_tree_layers[mode] = run
+        return self._compiled_tree_layers[mode]
 
     def commit(self, cache: ModelCache, pending: Pending, leaf: int) -> None:
         """Commit the root-to-`leaf` path of a verified tree: compact its KV, update GDN states."""
