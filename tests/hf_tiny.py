@@ -38,3 +38,16 @@ def save_tiny_hf_model(model_type: str, folder: Path, vocab_size: int = VOCAB) -
                 p.add_(0.3 * torch.randn_like(p))
     hf.save_pretrained(folder)
     return hf
+
+
+def draft_vocab_drafter(target, block_size: int, size: int, seed: int, num_taps: int = 2):
+    """A random drafter (one layer) that drafts from `size` random tokens of the target's vocabulary."""
+    from weaver.models.drafter import Drafter
+    from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
+
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    cfg = new_drafter_config(target, 1, block_size, target.cfg.vocab_size - 1, num_taps, draft_vocab_size=size)
+    drafter = Drafter(drafter_config(cfg))
+    drafter.draft_vocab.copy_(torch.randperm(target.cfg.vocab_size, generator=gen)[:size].sort().values)
+    return drafter.eval(), cfg

@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2
 
 
-from hf_tiny import VOCAB
+from hf_tiny import VOCAB, draft_vocab_drafter
 from weaver.acceptance import SAMPLING_RULES, SamplingRule
 from weaver.builders import SearchConfig, StepInputs, ddtree, weaver_tree
 from weaver.engine import speculative_generate
@@ -209,6 +209,20 @@ def test_weaver_sampling_reproduces_the_target_distribution(target, drafter, sam
     torch.manual_seed(3)
     adapter = make_adapter(target, pool_size=VOCAB)
     samples = first_two_tokens(target, drafter, adapter, sampling, TRIALS)
+    assert chi_square_pvalue(samples, target_joint(target)) > ALPHA
+
+
+def test_weaver_with_a_draft_vocabulary_is_lossless_greedy_and_sampling(target):
+    """Half the pool outside the drafter's vocabulary (probability 0): greedy output is the target's, and
+    sampling still reproduces the target's distribution."""
+    drafter, _ = draft_vocab_drafter(target, BLOCK, VOCAB // 2, seed=8)
+    torch.manual_seed(3)
+    adapter = make_adapter(target, pool_size=VOCAB)
+    for n in (3, 11):
+        prompt = torch.randint(3, VOCAB, (n,)).tolist()
+        out, _ = speculative_generate(target, drafter, prompt, 24, method="weaver", budget=12, adapter=adapter)
+        assert out == generate(target, [prompt], 24)[0]
+    samples = first_two_tokens(target, drafter, adapter, "rrs", TRIALS)
     assert chi_square_pvalue(samples, target_joint(target)) > ALPHA
 
 

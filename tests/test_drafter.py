@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch._dynamo.utils import counters
 from transformers import Qwen3Config
 
-from hf_tiny import VOCAB, save_tiny_hf_model
+from hf_tiny import VOCAB, draft_vocab_drafter, save_tiny_hf_model
 from weaver.errors import WeaverError
 from weaver.models.checkpoint import load_target
 from weaver.models.drafter import Drafter, default_target_layers, depth_bucket
@@ -354,6 +354,59 @@ def test_compiled_draft_equals_eager_for_every_depth_and_context(target, mode):
     assert counters["stats"]["unique_graphs"] == graphs, "a draft recompiled after compile_draft"
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@torch.inference_mode()
+def test_a_draft_vocabulary_drafts_its_tokens_only_and_round_trips(target, tmp_path, compiled):
+    """Restricted to a draft vocabulary, a drafter's logits are the unrestricted drafter's on those tokens and
+    the lowest finite value elsewhere (eager and compiled); the vocabulary survives a save and a load."""
+    drafter, hf_cfg = draft_vocab_drafter(target, 6, 40, seed=5, num_taps=4)
+    perturb_(drafter, torch.Generator().manual_seed(6))
+    unrestricted = Drafter(drafter_config(new_drafter_config(target, 1, 6, MASK, 4))).eval()
+    unrestricted.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "draft_vocab"})
+    ids = torch.randint(3, VOCAB, (1, 11), generator=torch.Generator().manual_seed(7))
+    taps = [target_states(target, ids)[i] for i in drafter.cfg.target_layer_ids]
+    save_drafter(drafter, hf_cfg, tmp_path / "d")
+    loaded = load_drafter(str(tmp_path / "d"), target)
+    assert torch.equal(loaded.draft_vocab, drafter.draft_vocab) and loaded.cfg.draft_vocab_size == 40
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[drafter.draft_vocab] = False
+    for model in (drafter, loaded, unrestricted):
+        model.cache = model.new_cache(1, 16)
+        model.extend_context(model.cache, taps, torch.arange(11)[None])
+    full = unrestricted.draft(target, unrestricted.cache, torch.tensor([5]), torch.tensor([11]))
+    for model in (drafter, loaded):
+        for depth in (1, 3, None):
+            draft = model.draft(target, model.cache, torch.tensor([5]), torch.tensor([11]), depth, compiled=compiled)
+            rows = full.logits.shape[1] if depth is None else depth
+            torch.testing.assert_close(draft.logits[..., drafter.draft_vocab], full.logits[:, :rows, drafter.draft_vocab],
+                                       rtol=1e-4, atol=1e-4)
+            assert bool((draft.logits[..., outside] == torch.finfo(draft.logits.dtype).min).all())
+            assert bool(torch.isin(draft.logits.argmax(-1), drafter.draft_vocab).all())
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.pop("draft_vocab"), "lacks draft_vocab"),
+    (lambda t: t.update(draft_vocab=t["draft_vocab"].float()), "distinct ascending int64"),
+    (lambda t: t.update(draft_vocab=t["draft_vocab"].flip(0)), "distinct ascending int64"),
+    (lambda t: t.update(draft_vocab=t["draft_vocab"][:-1]), "distinct ascending int64"),
+    (lambda t: t.update(draft_vocab=t["draft_vocab"] + VOCAB), "outside the target vocab"),
+])
+def test_a_bad_draft_vocabulary_is_refused(target, tmp_path, edit, message):
+    drafter, hf_cfg = draft_vocab_drafter(target, 6, 40, seed=5, num_taps=4)
+    save_drafter(drafter, hf_cfg, tmp_path / "d")
+    tensors = load_file(tmp_path / "d" / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, tmp_path / "d" / "model.safetensors")
+    with pytest.raises(WeaverError, match=message):
+        load_drafter(str(tmp_path / "d"), target)
+
+
+@pytest.mark.parametrize("size", [0, -3, VOCAB + 1, 2.5])
+def test_a_draft_vocabulary_size_outside_the_target_vocab_is_refused(target, size):
+    with pytest.raises(WeaverError, match="draft_vocab must be between 1 and"):
+        new_drafter_config(target, 1, 6, MASK, 2, draft_vocab_size=size)
+
+
 @torch.no_grad()
 def test_unsorted_target_layer_ids_are_honoured_or_refused(target, tmp_path):
     tensors, config = write_dflash_checkpoint(tmp_path / "d", taps=(2, 0))
@@ -365,3 +418,53 @@ def test_unsorted_target_layer_ids_are_honoured_or_refused(target, tmp_path):
     ours = drafter.draft(target, cache, torch.tensor([42]), torch.tensor([11])).logits[0]
     torch.testing.assert_close(ours, reference_draft_logits(tensors, config, target, target_states(target, ids), 11, 42),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_frequent_tokens_are_the_most_common_response_tokens():
+    import datasets
+
+    from weaver.train.drafter import frequent_tokens
+
+    rows = datasets.Dataset.from_list([{"response_ids": [7, 7, 3, 9, 9, 9]}, {"response_ids": [3, 5, 5, 1]}])
+    assert frequent_tokens(rows, 3, 12).tolist() == [3, 5, 9]  # 9 x3, then 3, 5, 7 x2: ties keep the lower ids
+    assert frequent_tokens(rows, 1, 12).tolist() == [9]
+
+
+def test_distillation_loss_over_a_draft_vocabulary(target):
+    """The loss of a draft-vocabulary drafter is cross-entropy (and KL to the target renormalised) over its
+    vocabulary, labels outside it left out; its accuracy counts every label. Reference: by hand from the
+    block states."""
+    from weaver.train.drafter import distillation_loss, draft_blocks
+
+    drafter, _ = draft_vocab_drafter(target, 4, 30, seed=9, num_taps=2)
+    drafter.train()
+    g = torch.Generator().manual_seed(10)
+    ids = torch.randint(3, VOCAB, (2, 24), generator=g)
+    ids[:, 10:] = drafter.draft_vocab[torch.randint(0, 30, (2, 14), generator=g)]  # half the labels in the vocabulary
+    lengths, anchors = torch.tensor([24, 20]), torch.tensor([[9, 15], [11, 12]])
+    gamma, kl_weight = 3.0, 0.4
+    loss, logs = distillation_loss(drafter, target, ids, lengths, anchors, gamma, kl_weight)
+
+    with torch.no_grad():
+        out = target(ids, tap_layers=drafter.cfg.target_layer_ids, logits_to_keep=0)
+        hidden = draft_blocks(drafter, target, ids, anchors, out.taps)
+        head = target.lm_head.weight[drafter.draft_vocab]
+        total, weights, hits, counted = 0.0, 0.0, 0, 0
+        for n in range(2):
+            for m in range(2):
+                for d in range(1, 4):
+                    pos = int(anchors[n, m]) + d
+                    if pos >= int(lengths[n]):
+                        continue
+                    label, counted = int(ids[n, pos]), counted + (d == 1)
+                    logp = (hidden[n, m, d - 1] @ head.T).log_softmax(-1)
+                    hits += d == 1 and int(drafter.draft_vocab[logp.argmax()]) == label
+                    if label not in drafter.draft_vocab.tolist():
+                        continue
+                    teacher = (out.hidden[n, pos - 1] @ head.T).log_softmax(-1)
+                    ce = -logp[drafter.draft_vocab.tolist().index(label)]
+                    kl = (teacher.exp() * (teacher - logp)).sum()
+                    w = torch.exp(torch.tensor(-(d - 1) / gamma))
+                    total, weights = total + w * ((1 - kl_weight) * ce + kl_weight * kl), weights + w
+    torch.testing.assert_close(loss, total / weights, rtol=1e-4, atol=1e-5)
+    assert logs["acc_d1"] == pytest.approx(hits / counted)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from hf_tiny import VOCAB
+from hf_tiny import VOCAB, draft_vocab_drafter
 from weaver.engine import speculative_generate
 from weaver.errors import WeaverError
 from weaver.generate import generate
@@ -88,6 +88,20 @@ def test_greedy_with_random_drafter_equals_autoregressive(target, prompts, greed
         assert out == ref[:NEW], f"prompt length {len(prompt)}"
         assert 1 + sum(a + 1 for a in stats.accepted) >= NEW
         assert all(0 <= a <= block_size - 1 for a in stats.accepted)
+
+
+@pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 9)])
+def test_greedy_with_a_draft_vocabulary_equals_autoregressive(target, prompts, greedy, method, budget):
+    """A drafter restricted to a third of the vocabulary drafts only those tokens (the target's greedy tokens
+    outside it are its bonus tokens) and stays lossless."""
+    drafter, _ = draft_vocab_drafter(target, 5, VOCAB // 3, seed=2)
+    drafted = []
+    drafter.draft = lambda *args, _draft=drafter.draft, **kwargs: drafted.append(_draft(*args, **kwargs)) or drafted[-1]
+    for prompt, ref in zip(prompts, greedy):
+        out, _ = speculative_generate(target, drafter, prompt, NEW, temperature=0, method=method, budget=budget)
+        assert out == ref[:NEW], f"prompt length {len(prompt)}"
+    picks = torch.cat([d.logits.topk(3, dim=-1).indices.flatten() for d in drafted])
+    assert bool(torch.isin(picks, drafter.draft_vocab).all())
 
 
 @pytest.mark.parametrize("block_size", BLOCKS)

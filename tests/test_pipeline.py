@@ -65,6 +65,25 @@ def test_rollouts_dtype_makes_new_data_in_that_dtype(smoke, tmp_path):
     assert built.name != default.name and json.loads((default / "stats.json").read_text())["dtype"] == "float32"
 
 
+def test_a_draft_vocabulary_drafter_trains_and_decodes_losslessly(smoke, tmp_path):
+    """`drafter.draft_vocab: n` trains a new drafter (and adapter) on the same rollouts that drafts from the n most
+    frequent response tokens; the eval decodes with it and every row equals AR decoding."""
+    shutil.copytree(smoke / "artifacts", tmp_path / "artifacts")
+    done = run("train.py", tmp_path, "+experiment=smoke", "drafter.draft_vocab=96")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[rollouts] up to date" in done.stdout
+    built = Path(json.loads((tmp_path / "smoke" / "artifacts.json").read_text())["drafter"])
+    assert f"[drafter] building {built}" in done.stdout
+    assert json.loads((built / "config.json").read_text())["draft_vocab_size"] == 96
+    out_dir = tmp_path / "eval"
+    done = run("eval.py", tmp_path, "+experiment=smoke", "drafter.draft_vocab=96", f"eval.out_dir={out_dir}",
+               "eval.datasets=[heldout_code]", "eval.methods=[ar,chain,weaver]")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out_dir / "results.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"ar", "chain", "weaver"}
+    assert all(r["greedy_match"] for r in rows if r["method"] != "ar")
+
+
 def test_eval_writes_result_rows(smoke_eval):
     rows = {(r["dataset"], r["method"], r["budget"]): r for r in map(json.loads, (smoke_eval / "results.jsonl").read_text().splitlines())}
     assert {d for d, _, _ in rows} == {"heldout_code", "humaneval", "gsm_symbolic"}
@@ -92,6 +111,8 @@ def test_eval_writes_result_rows(smoke_eval):
         ("eval.py", ["+experiment=smoke", "eval.datasets=[humaneval,nope]"], "unknown method/dataset ['nope']"),
         ("train.py", ["+experiment=smoke", "stages=[nope]"], "unknown stage(s) ['nope']"),
         ("train.py", ["+experiment=smoke", "model.hf_config.hidden_size=abc"], "invalid model.hf_config"),
+        ("eval.py", ["+experiment=smoke", "drafter.path=/no/such/drafter", "drafter.draft_vocab=64"],
+         "drafter.draft_vocab applies to drafters trained here"),
         ("eval.py", ["+experiment=smoke", "model=qwen3_8b", "model.path=/no/such/folder", "eval.datasets=[humaneval]"],
          "checkpoint folder not found"),
     ],

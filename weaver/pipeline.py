@@ -149,7 +149,8 @@ HASHED_ELSEWHERE = {"rollouts": ("store_states",)}
 
 # Settings added after artifacts were built, at the value that reproduces what was built before: at that
 # value they stay out of the key, so existing artifacts remain valid (any other value changes the key).
-ADDED_LATER = {"rollouts": {"samples_per_prompt": 1, "dtype": "model"}, "weaver.train": {"heldout_rollouts": 0}}
+ADDED_LATER = {"rollouts": {"samples_per_prompt": 1, "dtype": "model"}, "weaver.train": {"heldout_rollouts": 0},
+               "drafter": {"draft_vocab": None}}
 # Settings whose spelling of a value changed: (new, old), hashed as the old spelling so that artifacts built
 # before stay valid ("never evaluate" was `eval_every: 1000000`, now `null`, for the drafter and adapter).
 RESPELLED = {group: {"eval_every": (None, 1000000)} for group in ("drafter.train", "weaver.train")}
@@ -347,6 +348,9 @@ def drafter_folder(cfg: DictConfig) -> Path:
     from weaver.models.checkpoint import resolve_checkpoint
 
     if cfg.drafter.path is not None:
+        if cfg.drafter.get("draft_vocab") is not None:
+            raise WeaverError("drafter.draft_vocab applies to drafters trained here; a given drafter (drafter.path) "
+                              "drafts from the vocabulary its checkpoint records")
         return resolve_checkpoint(str(cfg.drafter.path))
     folder = artifact_dir(cfg, "drafter")
     if not folder.exists():

@@ -7,6 +7,11 @@ block tokens; attention inside the block is bidirectional. The drafter's final n
 target's lm_head. Block position d predicts the token at anchor + d, independently of the draft tokens
 at positions < d: the per-position distributions are marginals.
 
+A drafter may draft from a reduced vocabulary (`draft_vocab`: the target token ids it can propose, the
+most frequent ones of its training responses, as EAGLE-3 and FR-Spec do): its head is then those rows of
+the target's lm_head only, a fraction of a large-vocabulary draft's cost, and every other token gets the
+lowest finite logit (probability 0). Verification is the target's, so drafting stays lossless.
+
 The body is a Qwen3 decoder stack, so its architecture is a `TargetConfig` read from a Qwen3Config;
 `weaver.models.drafter_checkpoint` reads and writes z-lab's DFlash checkpoint format.
 """
@@ -38,6 +43,7 @@ class DrafterConfig:
     mask_token_id: int
     num_target_layers: int | None = None  # layers of the target it was made for (DFlash's `num_target_layers`)
     tokenizer_sha256: str | None = None  # fingerprint of the target tokenizer it was trained with (ours only)
+    draft_vocab_size: int | None = None  # tokens it drafts from (None: the target's whole vocabulary)
 
 
 def default_target_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -130,6 +136,11 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(body) for _ in range(body.num_layers))
         self.norm = RMSNorm(body.hidden_size, body.rms_norm_eps)
         self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
+        # target token ids the drafter proposes, ascending (a checkpoint tensor); None: all of them
+        self.draft_vocab: torch.Tensor | None
+        self.register_buffer("draft_vocab", None if cfg.draft_vocab_size is None
+                             else torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self._head: tuple[torch.Tensor, torch.Tensor] | None = None  # (target lm_head weight, its draft rows), eval only
         self._compiled_block: dict[str, Callable[..., Draft]] = {}  # by inductor mode
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +155,35 @@ class Drafter(nn.Module):
         block = torch.full((len(anchors), self.cfg.block_size), self.cfg.mask_token_id, device=anchors.device)
         block[:, 0] = anchors
         return target.embed(block)
+
+    def head(self, target: TargetModel) -> torch.Tensor:
+        """The drafter's output projection (V', H): the target's lm_head rows of the draft vocabulary. The
+        target is frozen, so outside training the slice is taken once per target."""
+        weight = target.lm_head.weight
+        if self.draft_vocab is None:
+            return weight
+        if self.training:
+            return weight[self.draft_vocab]
+        if self._head is None or self._head[0] is not weight:
+            self._head = (weight, weight[self.draft_vocab])
+        return self._head[1]
+
+    def vocab_logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (..., V') over the draft vocabulary (the whole target vocabulary without one)."""
+        return F.linear(hidden, self.head(target))
+
+    def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (..., V) over the target's vocabulary: tokens outside the draft vocabulary get the lowest
+        finite value (probability 0, and finite, so the engine's overflow checks stay strict)."""
+        logits = self.vocab_logits(target, hidden)
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], target.lm_head.weight.shape[0]), torch.finfo(logits.dtype).min)
+        return full.index_copy(-1, self.draft_vocab, logits)
+
+    def train(self, mode: bool = True) -> "Drafter":
+        self._head = None
+        return super().train(mode)
 
     def forward(
         self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context: torch.Tensor,
@@ -194,6 +234,7 @@ class Drafter(nn.Module):
         depth = self.cfg.block_size - 1 if max_depth is None else min(max_depth, self.cfg.block_size - 1)
         if not compiled:
             return self.block(target, cache, anchor, anchor_position, depth)
+        self.head(target)  # the draft vocabulary's head slice taken outside the graph
         rows = torch.empty(depth_bucket(depth, self.cfg.block_size - 1), 0)
         torch._dynamo.mark_static(rows)  # its length is the graph's static number of logit rows
         draft = self.block_compiled(compiled)(target, cache, anchor, anchor_position, rows)
@@ -208,7 +249,7 @@ class Drafter(nn.Module):
             context_kv = (cache.keys[i][:, :, : cache.length], cache.values[i][:, :, : cache.length])
             x = layer(x, rope, context_kv, None)
         hidden = self.norm(x)[:, 1:]
-        return Draft(target.lm_head(hidden[:, :depth]), hidden)
+        return Draft(self.logits(target, hidden[:, :depth]), hidden)
 
     def block_compiled(self, compiled: Compile = True) -> Callable[..., Draft]:
         """`block` compiled once per drafter and inductor mode; the logit rows are the length of a static
@@ -241,6 +282,8 @@ def check_pair(target: TargetModel, drafter: Drafter) -> None:
         raise WeaverError(f"drafter hidden size {d.body.hidden_size} does not match the target's {t.hidden_size}")
     if d.body.vocab_size not in (0, t.vocab_size):
         raise WeaverError(f"drafter vocab {d.body.vocab_size} does not match the target's {t.vocab_size}")
+    if drafter.draft_vocab is not None and not bool(((drafter.draft_vocab >= 0) & (drafter.draft_vocab < t.vocab_size)).all()):
+        raise WeaverError(f"drafter draft_vocab holds token ids outside the target vocab ({t.vocab_size})")
     if not 0 <= d.mask_token_id < t.vocab_size:
         raise WeaverError(f"drafter mask_token_id {d.mask_token_id} is outside the target vocab ({t.vocab_size})")
     if len(set(d.target_layer_ids)) != len(d.target_layer_ids):

@@ -5,7 +5,8 @@ Format: `config.json` is a Qwen3Config plus `block_size`, `num_target_layers` an
 `norm` and `layers.N.{self_attn,mlp,input_layernorm,post_attention_layernorm}.*` (no embedding or
 lm_head: the target's are shared). Drafters trained here also record `tokenizer_sha256`, the fingerprint of
 the target tokenizer they were trained with (`weaver.models.checkpoint.tokenizer_fingerprint`); z-lab's
-checkpoints have none and load as before.
+checkpoints have none and load as before. A drafter with a reduced draft vocabulary records its size as
+`draft_vocab_size` and its target token ids, ascending, as the int64 tensor `draft_vocab`.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ def new_drafter_config(
     target: TargetModel, num_layers: int, block_size: int, mask_token_id: int, num_taps: int = 5,
     target_layer_ids: tuple[int, ...] | None = None, intermediate_size: int | None = None,
     num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
-    rope_theta: float = 1e6, tokenizer_sha256: str | None = None,
+    rope_theta: float = 1e6, tokenizer_sha256: str | None = None, draft_vocab_size: int | None = None,
 ) -> Qwen3Config:
     """A DFlash-format config for a fresh drafter sized to `target` (hidden size and vocab are the target's);
-    tokenizer_sha256: the fingerprint of the target's tokenizer, checked when the drafter is loaded."""
+    tokenizer_sha256: the fingerprint of the target's tokenizer, checked when the drafter is loaded;
+    draft_vocab_size: the number of tokens it drafts from, None for the whole vocabulary."""
     t = target.cfg
     if not is_count(num_layers):
         raise WeaverError(f"drafter num_layers must be a whole number >= 1, got {num_layers!r}")
@@ -55,6 +57,11 @@ def new_drafter_config(
     config.rope_theta = rope_theta  # also top-level: transformers 4.x readers (z-lab, SGLang) look there
     if tokenizer_sha256:
         config.tokenizer_sha256 = tokenizer_sha256
+    if draft_vocab_size is not None:
+        if not is_count(draft_vocab_size) or draft_vocab_size > t.vocab_size:
+            raise WeaverError(f"drafter draft_vocab must be between 1 and the target's vocab ({t.vocab_size}), "
+                              f"got {draft_vocab_size!r}")
+        config.draft_vocab_size = draft_vocab_size
     return config
 
 
@@ -78,9 +85,13 @@ def drafter_config(hf: Qwen3Config) -> DrafterConfig:
     if not isinstance(layers, (list, tuple)) or not layers or not all(is_count(i, 0) for i in layers):
         raise WeaverError(f"drafter dflash_config.target_layer_ids must be a non-empty list of layer indices, got {layers!r}")
     sha = getattr(hf, "tokenizer_sha256", None)
+    draft_vocab_size = getattr(hf, "draft_vocab_size", None)
+    if draft_vocab_size is not None and not is_count(draft_vocab_size):
+        raise WeaverError(f"drafter draft_vocab_size must be a whole number >= 1, got {draft_vocab_size!r}")
     return DrafterConfig(from_hf(hf), int(block_size), tuple(int(i) for i in layers), int(mask),
                          int(num_target_layers) if num_target_layers is not None else None,
-                         sha if isinstance(sha, str) and sha else None)
+                         sha if isinstance(sha, str) and sha else None,
+                         int(draft_vocab_size) if draft_vocab_size is not None else None)
 
 
 def weight_table(cfg: DrafterConfig) -> list[tuple[str, list[str]]]:
@@ -101,6 +112,16 @@ def weight_table(cfg: DrafterConfig) -> list[tuple[str, list[str]]]:
     return table
 
 
+def checked_draft_vocab(ids: torch.Tensor | None, size: int) -> torch.Tensor:
+    """The checkpoint's `draft_vocab`, refused unless it is `size` distinct ascending int64 token ids."""
+    if ids is None:
+        raise WeaverError("drafter checkpoint lacks draft_vocab (its config.json sets draft_vocab_size)")
+    if ids.dtype != torch.int64 or ids.shape != (size,) or bool((ids.diff() <= 0).any()) or bool((ids < 0).any()):
+        raise WeaverError(f"drafter draft_vocab must be {size} distinct ascending int64 token ids "
+                          f"(draft_vocab_size), got {ids.dtype} of shape {tuple(ids.shape)}")
+    return ids
+
+
 def load_drafter(name_or_path: str, target: TargetModel | None = None, dtype: torch.dtype = torch.float32,
                  tokenizer=None) -> Drafter:
     """Load a DFlash-format drafter; with `target`, refuse one that does not fit it: sizes, tapped layers, and
@@ -116,6 +137,8 @@ def load_drafter(name_or_path: str, target: TargetModel | None = None, dtype: to
         if missing:
             raise WeaverError(f"drafter checkpoint lacks {missing[0]}")
         state[ours] = torch.cat([tensors[n] for n in names], dim=0)
+    if cfg.draft_vocab_size is not None:
+        state["draft_vocab"] = checked_draft_vocab(tensors.get("draft_vocab"), cfg.draft_vocab_size)
     drafter = Drafter(cfg)
     try:
         drafter.load_state_dict(state)
@@ -135,6 +158,8 @@ def save_drafter(drafter: Drafter, hf_config: Qwen3Config, out_dir: Path) -> Non
         sizes = [len(state[ours]) // len(names)] * len(names)  # fused tensors are equal halves here
         for name, part in zip(names, state[ours].split(sizes)):
             tensors[name] = part.contiguous()
+    if drafter.draft_vocab is not None:
+        tensors["draft_vocab"] = drafter.draft_vocab.cpu().contiguous()
     with atomic_dir(out_dir) as tmp:
         hf_config.save_pretrained(tmp)
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})

@@ -68,7 +68,7 @@ def adapter_loss(
     taps, hidden = taps_and_hidden(target, ids, drafter.cfg.target_layer_ids, states)
     with torch.no_grad():
         draft_hidden = draft_blocks(drafter, target, ids, anchors, taps)[:, :, :D].flatten(0, 1)  # (A, D, H)
-        pool_logits, pool_tokens = draft_pools(target.lm_head(draft_hidden).float(), adapter.cfg.pool_size)
+        pool_logits, pool_tokens = draft_pools(drafter.logits(target, draft_hidden).float(), adapter.cfg.pool_size)
     rows = torch.arange(N, device=ids.device).repeat_interleave(anchors.shape[1])[:, None]  # (A, 1)
     a = anchors.flatten()[:, None]
     at = (a + torch.arange(D + 1, device=ids.device)).clamp(max=L - 1)  # x[a .. a+D]

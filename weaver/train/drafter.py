@@ -4,7 +4,9 @@ Each training sequence (prompt + target response) gets `anchors_per_seq` random 
 response. All its blocks run in one drafter pass: block i's queries see the context features of
 positions < a_i and the keys of block i only (block-structured mask). Labels are the target's tokens at
 a + d; position d is weighted exp(-(d - 1) / gamma). With `kl_weight` > 0 the loss mixes in the KL
-divergence to the target's own next-token distribution.
+divergence to the target's own next-token distribution. With `draft_vocab: n` the drafter drafts from the
+n most frequent tokens of the rollouts' responses: its loss is over them (labels outside are left out of
+the loss, the KL's teacher is the target's distribution renormalised over them), its accuracy over all.
 """
 
 from __future__ import annotations
@@ -99,21 +101,41 @@ def distillation_loss(
     N, L = ids.shape
     B = drafter.cfg.block_size
     taps, hidden = taps_and_hidden(target, ids, drafter.cfg.target_layer_ids, states)
-    logits = target.lm_head(draft_blocks(drafter, target, ids, anchors, taps)).float()
+    logits = drafter.vocab_logits(target, draft_blocks(drafter, target, ids, anchors, taps)).float()
     offsets = torch.arange(B, device=ids.device)
     label_pos = (anchors[:, :, None] + offsets[1:]).clamp(max=L - 1)
     labels = ids[:, None, :].expand(-1, anchors.shape[1], -1).gather(2, label_pos)
     valid = (anchors[:, :, None] + offsets[1:]) < lengths[:, None, None]
-    weight = torch.exp(-(offsets[1:] - 1).float() / gamma) * valid
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(weight)
-    loss = (ce * weight).sum() / weight.sum()
+    vocab = drafter.draft_vocab
+    in_vocab = labels if vocab is None else draft_index(vocab, target.cfg.vocab_size)[labels]  # -1: outside
+    weight = torch.exp(-(offsets[1:] - 1).float() / gamma) * (valid & (in_vocab >= 0))
+    ce = F.cross_entropy(logits.flatten(0, 2), in_vocab.clamp(min=0).flatten(), reduction="none").view_as(weight)
+    loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
     if kl_weight:
         with torch.no_grad():  # the target at p predicts p + 1: the label at a + d
-            teacher = target.lm_head(hidden[torch.arange(N)[:, None, None], label_pos - 1]).float().log_softmax(-1)
+            at_labels = hidden[torch.arange(N)[:, None, None], label_pos - 1]
+            teacher = drafter.vocab_logits(target, at_labels).float().log_softmax(-1)
         kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
-        loss = (1 - kl_weight) * loss + kl_weight * (kl * weight).sum() / weight.sum()
-    accuracy = ((logits.argmax(-1) == labels) & valid).float().sum(0).sum(0) / valid.float().sum(0).sum(0).clamp(min=1)
+        loss = (1 - kl_weight) * loss + kl_weight * (kl * weight).sum() / weight.sum().clamp(min=1e-6)
+    predicted = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
+    accuracy = ((predicted == labels) & valid).float().sum(0).sum(0) / valid.float().sum(0).sum(0).clamp(min=1)
     return loss, {"acc_d1": accuracy[0].item(), f"acc_d{B - 1}": accuracy[-1].item()}
+
+
+def draft_index(draft_vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) the position of each target token in the draft vocabulary, -1 for tokens outside it."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_vocab.device)
+    index[draft_vocab] = torch.arange(len(draft_vocab), device=draft_vocab.device)
+    return index
+
+
+def frequent_tokens(rows: datasets.Dataset, n: int, vocab_size: int) -> torch.Tensor:
+    """The n most frequent tokens of the rollouts' responses, ascending by id (ties: the lower id first)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for response in rows["response_ids"]:
+        counts += torch.bincount(torch.tensor(response, dtype=torch.long), minlength=vocab_size)
+    order = torch.argsort(-counts, stable=True)  # stable: equal counts keep ascending ids
+    return order[:n].sort().values
 
 
 def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir: Path, out_dir: Path, work_dir: Path,
@@ -127,14 +149,16 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
     # the tokenizer's fingerprint goes into config.json: loading checks it against the target's tokenizer
     hf_config = new_drafter_config(target, d.num_layers, d.block_size, mask_id, d.num_taps,
                                    intermediate_size=d.intermediate_size,
-                                   tokenizer_sha256=tokenizer_fingerprint(tokenizer))
+                                   tokenizer_sha256=tokenizer_fingerprint(tokenizer), draft_vocab_size=d.draft_vocab)
+    rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
     torch.manual_seed(cfg.seed)
     drafter = Drafter(drafter_config(hf_config))
     init_weights(drafter, train.init_std)
+    if drafter.draft_vocab is not None:
+        drafter.draft_vocab.copy_(frequent_tokens(rows, d.draft_vocab, target.cfg.vocab_size))
     with torch.no_grad():  # start from the target's own output scale (docs/method.md: the target's final norm)
         drafter.norm.weight.copy_(target.norm.weight + target.norm.offset)
     target.requires_grad_(False)
-    rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
     accelerator = make_accelerator(cfg, f"{cfg.experiment}-drafter", train.precision)
     target.to(accelerator.device)
     stored = None if states_dir is None else StoredStates(states_dir, drafter.cfg.target_layer_ids)
