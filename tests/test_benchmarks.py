@@ -64,3 +64,16 @@ def test_inference_dtype_benchmark_runs(smoke_outputs):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "batch 3, 64 prompt + 4 new tokens" in done.stdout
     assert [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")][1:] == ["fp32", "bf16"]
+
+
+def test_draft_vocab_benchmark_runs(smoke_outputs):
+    done = run_script("benchmarks/draft_vocab.py", smoke_outputs, "+experiment=smoke", "--sizes", "64", "256",
+                      "--depths", "2", "--context", "8", "--repeats", "1", "eval.compile=false",
+                      "drafter.draft_vocab_corpus=[]")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1:3] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    labels = [(a.strip(), b.strip()) for a, b in rows]
+    assert labels[1:3] == [("random sixth", "responses only"), ("last sixth", "responses only")]
+    coverage = [float(x) for line in done.stdout.splitlines() if line.startswith("| random sixth") for x in line.split("|")[3:5]]
+    assert 0 < coverage[0] <= coverage[1] <= 1  # a larger vocabulary covers at least as much
+    assert labels[4:] == [("whole", "eager"), ("n=64", "eager"), ("n=256", "eager")]

@@ -420,14 +420,15 @@ def test_unsorted_target_layer_ids_are_honoured_or_refused(target, tmp_path):
                                rtol=1e-4, atol=1e-4)
 
 
-def test_frequent_tokens_are_the_most_common_response_tokens():
-    import datasets
+def test_frequent_tokens_mix_the_sources_frequencies():
+    from weaver.train.drafter import frequent_tokens, token_counts
 
-    from weaver.train.drafter import frequent_tokens
-
-    rows = datasets.Dataset.from_list([{"response_ids": [7, 7, 3, 9, 9, 9]}, {"response_ids": [3, 5, 5, 1]}])
-    assert frequent_tokens(rows, 3, 12).tolist() == [3, 5, 9]  # 9 x3, then 3, 5, 7 x2: ties keep the lower ids
-    assert frequent_tokens(rows, 1, 12).tolist() == [9]
+    responses = token_counts([[7, 7, 3, 9, 9, 9], [3, 5, 5, 1, 40]], 12)  # 40: past the vocabulary, dropped
+    assert responses.tolist() == [0, 1, 0, 2, 0, 2, 0, 2, 0, 3, 0, 0]
+    assert frequent_tokens([responses], 3).tolist() == [3, 5, 9]  # 9 x3, then 3, 5, 7 x2: ties keep the lower ids
+    corpus = token_counts([[11] * 50 + [7] * 30 + [9] * 20], 12)
+    # mixture: 11 .5, 7 .3 + 2/10, 9 .2 + 3/10, 3 and 5 2/10 each
+    assert frequent_tokens([responses, corpus], 3).tolist() == [7, 9, 11]
 
 
 def test_distillation_loss_over_a_draft_vocabulary(target):

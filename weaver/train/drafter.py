@@ -5,13 +5,15 @@ response. All its blocks run in one drafter pass: block i's queries see the cont
 positions < a_i and the keys of block i only (block-structured mask). Labels are the target's tokens at
 a + d; position d is weighted exp(-(d - 1) / gamma). With `kl_weight` > 0 the loss mixes in the KL
 divergence to the target's own next-token distribution. With `draft_vocab: n` the drafter drafts from the
-n most frequent tokens of the rollouts' responses: its loss is over them (labels outside are left out of
-the loss, the KL's teacher is the target's distribution renormalised over them), its accuracy over all.
+n most frequent tokens of the rollouts' responses and the offline corpora `draft_vocab_corpus` (equal
+mixture of their frequencies): its loss is over them (labels outside are left out of the loss, the KL's
+teacher is the target's distribution renormalised over them), its accuracy over all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import datasets
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+from weaver.data.corpus import collect_documents
 from weaver.data.states import StoredStates, right_pad
 from weaver.errors import WeaverError
 from weaver.models.checkpoint import check_tokenizer, tokenizer_fingerprint
@@ -129,12 +132,27 @@ def draft_index(draft_vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return index
 
 
-def frequent_tokens(rows: datasets.Dataset, n: int, vocab_size: int) -> torch.Tensor:
-    """The n most frequent tokens of the rollouts' responses, ascending by id (ties: the lower id first)."""
+def token_counts(sequences: Iterable[list[int]], vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) how often each token id occurs in the sequences (ids past the vocabulary dropped)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for response in rows["response_ids"]:
-        counts += torch.bincount(torch.tensor(response, dtype=torch.long), minlength=vocab_size)
-    order = torch.argsort(-counts, stable=True)  # stable: equal counts keep ascending ids
+    for ids in sequences:
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def corpus_token_counts(sources: Sequence[str], tokenizer, vocab_size: int, batch: int = 256) -> torch.Tensor:
+    """Token counts of the offline corpora `sources` (`weaver.data.corpus`) under the target's tokenizer."""
+    docs = collect_documents(sources)
+    texts = (tokenizer([d["text"] for d in docs[i : i + batch]])["input_ids"] for i in range(0, len(docs), batch))
+    return token_counts(itertools.chain.from_iterable(texts), vocab_size)
+
+
+def frequent_tokens(counts: list[torch.Tensor], n: int) -> torch.Tensor:
+    """The n most frequent tokens under the equal mixture of the count vectors' frequencies, ascending by id
+    (ties: the lower id first). A few hundred rollouts see a few thousand distinct tokens; a general corpus
+    beside them covers the rest of what an evaluation prompt asks for (README: held-out coverage)."""
+    score = sum(c.double() / c.sum().clamp(min=1) for c in counts)
+    order = torch.argsort(-score, stable=True)  # stable: equal scores keep ascending ids
     return order[:n].sort().values
 
 
@@ -155,7 +173,11 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
     drafter = Drafter(drafter_config(hf_config))
     init_weights(drafter, train.init_std)
     if drafter.draft_vocab is not None:
-        drafter.draft_vocab.copy_(frequent_tokens(rows, d.draft_vocab, target.cfg.vocab_size))
+        V = target.cfg.vocab_size
+        counts = [token_counts(rows["response_ids"], V)]
+        if d.draft_vocab_corpus:
+            counts.append(corpus_token_counts(d.draft_vocab_corpus, tokenizer, V))
+        drafter.draft_vocab.copy_(frequent_tokens(counts, d.draft_vocab))
     with torch.no_grad():  # start from the target's own output scale (docs/method.md: the target's final norm)
         drafter.norm.weight.copy_(target.norm.weight + target.norm.offset)
     target.requires_grad_(False)
