@@ -9,7 +9,7 @@ training part as the drafter stage chooses it (responses alone, and mixed with `
 and the table gives the share of held-out response tokens inside it. Cost: a random drafter of the
 experiment's shape drafts after a --context-token context, for each vocabulary and the whole one, eager
 and compiled (`eval.compile`), interleaved over --repeats rounds; medians in ms. Arguments other than the
-options are train.py overrides.
+options are eval.py overrides.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     args, overrides = parser.parse_known_args()
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+        cfg = compose("eval", overrides=overrides)
     target, tokenizer = load_target_and_tokenizer(cfg)
     V = target.cfg.vocab_size
     responses = datasets.load_from_disk(str(artifact_dir(cfg, "rollouts") / "dataset"))["response_ids"]
