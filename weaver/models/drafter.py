@@ -8,7 +8,7 @@ target's lm_head. Block position d predicts the token at anchor + d, independent
 at positions < d: the per-position distributions are marginals.
 
 A drafter may draft from a reduced vocabulary (`draft_vocab`: the target token ids it can propose, the
-most frequent ones of its training responses, as EAGLE-3 and FR-Spec do): its head is then those rows of
+most frequent ones of its training data, as EAGLE-3 and FR-Spec do): its head is then those rows of
 the target's lm_head only, a fraction of a large-vocabulary draft's cost, and every other token gets the
 lowest finite logit (probability 0). Verification is the target's, so drafting stays lossless.
 
