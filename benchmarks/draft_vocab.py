@@ -29,12 +29,13 @@ from weaver.pipeline import ROOT_CONF, artifact_dir, load_target_and_tokenizer
 from weaver.train.drafter import corpus_token_counts, frequent_tokens, token_counts
 
 
-def coverage(train: torch.Tensor, heldout: torch.Tensor, counts: list[torch.Tensor], n: int) -> float:
+def coverage(heldout: torch.Tensor, counts: list[torch.Tensor], n: int) -> float:
     """Share of the held-out tokens (counts) inside the n-token vocabulary chosen from `counts`."""
     return float(heldout[frequent_tokens(counts, n)].sum() / heldout.sum())
 
 
 def print_coverage(responses: list[list[int]], corpus: torch.Tensor | None, vocab_size: int, sizes: list[int]) -> None:
+    """Held-out coverage per vocabulary size, for a random and a last-sixth split of the responses."""
     order = list(range(len(responses)))
     random.Random(0).shuffle(order)
     cut = len(responses) - len(responses) // 6
@@ -45,8 +46,7 @@ def print_coverage(responses: list[list[int]], corpus: torch.Tensor | None, voca
         heldout = token_counts((responses[i] for i in rows[cut:]), vocab_size)
         sources = {"responses only": [train]} | ({"corpus": [train, corpus]} if corpus is not None else {})
         for label, counts in sources.items():
-            print(f"| {name} | {label} | " + " | ".join(f"{coverage(train, heldout, counts, n):.3f}" for n in sizes) + " |")
-    print(f"({int((token_counts(responses, vocab_size) > 0).sum())} distinct tokens in {len(responses)} responses)")
+            print(f"| {name} | {label} | " + " | ".join(f"{coverage(heldout, counts, n):.3f}" for n in sizes) + " |")
 
 
 @torch.inference_mode()
@@ -99,6 +99,7 @@ def main() -> None:
           f"target vocab {V}, corpora {list(cfg.drafter.draft_vocab_corpus)}")
     print_coverage(responses, corpus, V, args.sizes)
     counts = [token_counts(responses, V)] + ([corpus] if corpus is not None else [])
+    print(f"({int((counts[0] > 0).sum())} distinct tokens in {len(responses)} responses)")
     vocabularies = {"whole": None} | {f"n={n}": frequent_tokens(counts, n) for n in args.sizes}
     print_draft_cost(cfg, target, vocabularies, args.context, args.depths, args.repeats)
 
