@@ -6,6 +6,8 @@ clear message."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from scipy.stats import chi2
@@ -17,7 +19,7 @@ from weaver.builders import SearchConfig, StepInputs, ddtree, weaver_tree
 from weaver.engine import speculative_generate
 from weaver.errors import WeaverError
 from weaver.generate import generate
-from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, load_adapter, save_adapter
+from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, load_adapter, save_adapter, with_pool
 from weaver.models.drafter import Draft, Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
 from weaver.models.layers import init_weights
@@ -119,6 +121,26 @@ def test_greedy_is_lossless_with_weaver_trees(target, drafter, budget, width):
         out, stats = speculative_generate(target, drafter, prompt, 32, method="weaver", budget=budget,
                                           adapter=adapter, children=width)
         assert out == generate(target, [prompt], 32)[0]
+
+
+@torch.inference_mode()
+def test_a_wider_search_pool_rescores_the_same_candidates_alike(target, drafter):
+    """`weaver.search.pool`: the weights do not depend on the pool, so on the trained pool's candidates a
+    wider pool's distribution is the trained one times a constant; greedy decoding with it stays lossless."""
+    adapter = make_adapter(target, pool_size=16)
+    wider = with_pool(copy.deepcopy(adapter), 48)
+    assert (wider.cfg.pool_size, adapter.cfg.pool_size) == (48, 16) and with_pool(adapter, None) is adapter
+    logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [5, 9, 3, 7])
+    for path in ([anchor], [anchor, 11, 4]):
+        trained, widened = (path_alone_logprobs(a, target, logits, hidden, target_hidden, path) for a in (adapter, wider))
+        on_pool = trained > 0
+        assert int(on_pool.sum()) == 16 and int((widened > 0).sum()) == 48 and bool((widened[on_pool] > 0).all())
+        torch.testing.assert_close(widened[on_pool] / widened[on_pool].sum(), trained[on_pool], atol=1e-6, rtol=1e-5)
+    prompt = [3, 14, 15, 9]
+    out, _ = speculative_generate(target, drafter, prompt, 24, method="weaver", budget=12, adapter=wider, children=24)
+    assert out == generate(target, [prompt], 24)[0]
+    with pytest.raises(WeaverError, match="weaver.search.pool must be a whole number >= 1 or null"):
+        with_pool(adapter, 0)
 
 
 def test_weaver_sampling_runs_and_is_reproducible(target, drafter):

@@ -268,7 +268,7 @@ CASES = [
      "eval.sglang.python: no interpreter at /no/such/python"),
     # --- Weaver search settings ---
     ("more search children than the adapter's pool", lambda m, t: spec(m, method="weaver", budget=8, adapter=m.adapter, children=32),
-     "weaver.search.children=32 is more than the adapter's pool of 16 candidates per position (its weaver.pool_size): at most 16"),
+     "weaver.search.children=32 is more than the adapter's pool of 16 candidates per position (weaver.search.pool, default its weaver.pool_size): at most 16"),
     ("zero search children", lambda m, t: spec(m, method="ddtree", budget=4, children=0),
      "weaver.search.children must be a whole number >= 1, got 0"),
     ("zero nodes per call", lambda m, t: spec(m, method="weaver", budget=4, adapter=m.adapter, nodes_per_call=0),

@@ -77,3 +77,14 @@ def test_draft_vocab_benchmark_runs(smoke_outputs):
     coverage = [float(x) for line in done.stdout.splitlines() if line.startswith("| random sixth") for x in line.split("|")[3:5]]
     assert 0 < coverage[0] <= coverage[1] <= 1  # a larger vocabulary covers at least as much
     assert labels[4:] == [("whole", "eager"), ("n=64", "eager"), ("n=256", "eager")]
+
+
+def test_adapter_pool_benchmark_runs(smoke_outputs):
+    done = run_script("benchmarks/adapter_pool.py", smoke_outputs, "+experiment=smoke", "--pools", "4", "16", "64",
+                      "--heldout", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(3 of them trained on)" in done.stdout  # the smoke adapter holds no rollouts out
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[0].strip() for r in rows] == ["pool", "4", "16", "64"]
+    pool_mass = [float(r[1]) for r in rows[1:]]  # the same anchors at every pool: a wider pool holds more of the target
+    assert pool_mass[0] < pool_mass[1] <= pool_mass[2] <= 1

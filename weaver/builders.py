@@ -237,7 +237,7 @@ def check_children(children: int, pool: int, setting: str = "weaver.search.child
     """The Weaver search publishes at most the adapter's pool of candidates per position as a node's children."""
     if children > pool:
         raise WeaverError(f"{setting}={children} is more than the adapter's pool of {pool} candidates per position "
-                          f"(its weaver.pool_size): at most {pool}")
+                          f"(weaver.search.pool, default its weaver.pool_size): at most {pool}")
 
 
 def check_budget(budget: int, limit: int | None = None, method: str = "tree", why: str = "") -> None:

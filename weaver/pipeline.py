@@ -374,7 +374,9 @@ def adapter_folder(cfg: DictConfig) -> Path:
 
 
 def load_adapter_for(cfg: DictConfig, target, drafter):
-    """The experiment's Weaver adapter (`adapter_folder`), checked against the target and drafter."""
-    from weaver.models.adapter import load_adapter
+    """The experiment's Weaver adapter (`adapter_folder`), checked against the target and drafter, searching
+    the pool `weaver.search.pool` (null: the one it was trained on)."""
+    from weaver.models.adapter import load_adapter, with_pool
 
-    return _like(load_adapter(adapter_folder(cfg), target, drafter.cfg.block_size - 1), target)
+    adapter = load_adapter(adapter_folder(cfg), target, drafter.cfg.block_size - 1)
+    return _like(with_pool(adapter, cfg.weaver.search.get("pool")), target)

@@ -19,7 +19,7 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 from checkpoints import ADAPTER, DRAFTER, TARGET, checkpoint
 from weaver.errors import WeaverError
 from weaver.serving.sglang import (
-    ADAPTER_ENV, ALGORITHMS, CHILDREN_ENV, DEFAULT_DRAFT_TOKENS, RRS_PRIORITY_ENV, register,
+    ADAPTER_ENV, ALGORITHMS, CHILDREN_ENV, DEFAULT_DRAFT_TOKENS, POOL_ENV, RRS_PRIORITY_ENV, register,
 )
 
 
@@ -83,6 +83,12 @@ def test_weavers_settings_are_checked_before_loading(tiny_model, monkeypatch):
     monkeypatch.setenv(CHILDREN_ENV, "17")
     with pytest.raises(WeaverError, match=f"{CHILDREN_ENV}=17 is more than the adapter's pool of 16 candidates"):
         resolve()
+    monkeypatch.setenv(POOL_ENV, "32")  # a wider search pool than the adapter's own allows more children
+    resolve()
+    monkeypatch.setenv(POOL_ENV, "0")
+    with pytest.raises(ValueError, match=f"{POOL_ENV} must be a whole number >= 1"):
+        resolve()
+    monkeypatch.delenv(POOL_ENV)
     monkeypatch.setenv(CHILDREN_ENV, "eight")
     with pytest.raises(ValueError, match=f"{CHILDREN_ENV} must be a whole number >= 1"):
         resolve()

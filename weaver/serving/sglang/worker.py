@@ -40,7 +40,7 @@ from weaver.acceptance import recursive_rejection_tree
 from weaver.builders import TREE_METHODS, SearchConfig, StepInputs, default_children, propose
 from weaver.calibration import RRS_PRIORITIES
 from weaver.errors import WeaverError
-from weaver.models.adapter import WeaverAdapter, load_adapter
+from weaver.models.adapter import WeaverAdapter, load_adapter, with_pool
 from weaver.models.drafter import DrafterCache
 from weaver.models.drafter_checkpoint import load_drafter
 from weaver.search import Proposal
@@ -139,7 +139,7 @@ class TreeWorker(BaseSpecWorker):
         if "adapter" not in TREE_METHODS[self.method].needs:
             return None
         adapter = load_adapter(self.settings.adapter, self.head, self.drafter.cfg.block_size - 1)
-        return adapter.to(self.device, self.dtype)
+        return with_pool(adapter, self.settings.pool).to(self.device, self.dtype)
 
     def _tap_states(self, model: nn.Module) -> None:
         """Have the target keep its tapped layers' outputs, and stash them (with the final-norm states) after
