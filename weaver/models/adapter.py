@@ -210,12 +210,14 @@ class WeaverAdapter(nn.Module):
 
 def with_pool(adapter: WeaverAdapter, pool_size: int | None) -> WeaverAdapter:
     """Have the adapter search the drafter's top `pool_size` candidates per depth instead of the pool it was
-    trained on (None: keep its own); returns it. Its weights do not depend on the pool: a candidate's score is its drafter
-    logit plus <P lm_head[c], Q x>, whatever the other candidates, so only the softmax's support changes."""
+    trained on (None: keep its own); returns it. Its weights do not depend on the pool: a candidate's score
+    is its drafter logit plus <P lm_head[c], Q x>, whatever the other candidates, so only the softmax's
+    support changes."""
     if pool_size is None:
         return adapter
     if not is_count(pool_size):
-        raise WeaverError(f"weaver.search.pool must be a whole number >= 1 or null (the adapter's own), got {pool_size!r}")
+        raise WeaverError(f"weaver.search.pool must be a whole number >= 1 or null (the adapter's own), "
+                          f"got {pool_size!r}")
     adapter.cfg = replace(adapter.cfg, pool_size=pool_size)
     return adapter
 

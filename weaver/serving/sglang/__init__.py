@@ -6,13 +6,13 @@ declared in pyproject.toml), so `--speculative-algorithm WEAVER` (or DDTREE) res
 ("Serving with SGLang").
 
 Settings: `--speculative-draft-model-path` is our drafter (DFlash format), `--speculative-num-draft-tokens`
-the tree size (budget + 1, default 16); the Weaver adapter and the search's children per node come from the environment
-(SGLang's argument parser is not ours to extend): WEAVER_ADAPTER=<adapter folder>, WEAVER_CHILDREN,
-WEAVER_NODES_PER_CALL, WEAVER_POOL (candidates per depth; default the adapter's own pool), WEAVER_RRS_PRIORITY (draft | acceptance: how sampled requests' trees rank their nodes,
-`weaver.calibration`; one table per worker learns from all its requests' steps), and WEAVER_TRACE=<file>: every
-step of every request as a JSON line (prompt,
-position, the drafter's top logits per depth, the tree, drafts accepted), to compare a served run with
-weaver's own engine step by step.
+the tree size (budget + 1, default 16); the Weaver adapter and the search's children per node come from the
+environment (SGLang's argument parser is not ours to extend): WEAVER_ADAPTER=<adapter folder>, WEAVER_CHILDREN,
+WEAVER_NODES_PER_CALL, WEAVER_POOL (candidates per depth; default the adapter's own pool), WEAVER_RRS_PRIORITY
+(draft | acceptance: how sampled requests' trees rank their nodes, `weaver.calibration`; one table per worker
+learns from all its requests' steps), and WEAVER_TRACE=<file>: every step of every request as a JSON line
+(prompt, position, the drafter's top logits per depth, the tree, drafts accepted), to compare a served run
+with weaver's own engine step by step.
 """
 
 from __future__ import annotations
