@@ -379,4 +379,4 @@ def load_adapter_for(cfg: DictConfig, target, drafter):
     from weaver.models.adapter import load_adapter, with_pool
 
     adapter = load_adapter(adapter_folder(cfg), target, drafter.cfg.block_size - 1)
-    return _like(with_pool(adapter, cfg.weaver.search.get("pool")), target)
+    return _like(with_pool(adapter, cfg.weaver.search.pool), target)

@@ -105,7 +105,7 @@ def engine_spec(cfg: DictConfig, run: Run, target: Path, drafter: Path | None, a
         env = {"WEAVER_ADAPTER": str(adapter), "WEAVER_CHILDREN": str(cfg.weaver.search.children)}
         if cfg.weaver.search.nodes_per_call is not None:
             env["WEAVER_NODES_PER_CALL"] = str(cfg.weaver.search.nodes_per_call)
-        if cfg.weaver.search.get("pool") is not None:
+        if cfg.weaver.search.pool is not None:
             env["WEAVER_POOL"] = str(cfg.weaver.search.pool)
     return {
         "target": str(target), "algorithm": ALGORITHMS[method], "drafter": str(drafter) if drafter else None,
