@@ -431,10 +431,12 @@ def test_frequent_tokens_mix_the_sources_frequencies():
     assert frequent_tokens([responses, corpus], 3).tolist() == [7, 9, 11]
 
 
-def test_distillation_loss_over_a_draft_vocabulary(target):
+@pytest.mark.parametrize("read", [None, (True, False)], ids=["rollouts", "one read text"])
+def test_distillation_loss_over_a_draft_vocabulary(target, read):
     """The loss of a draft-vocabulary drafter is cross-entropy (and KL to the target renormalised) over its
-    vocabulary, labels outside it left out; its accuracy counts every label. Reference: by hand from the
-    block states."""
+    vocabulary, labels outside it left out; its accuracy counts every label. A row of text the target read
+    (`read`) is trained on the KL alone, at every position, and left out of the accuracy. Reference: by hand
+    from the block states."""
     from weaver.train.drafter import distillation_loss, draft_blocks
 
     drafter, _ = draft_vocab_drafter(target, 4, 30, seed=9, num_taps=2)
@@ -444,7 +446,9 @@ def test_distillation_loss_over_a_draft_vocabulary(target):
     ids[:, 10:] = drafter.draft_vocab[torch.randint(0, 30, (2, 14), generator=g)]  # half the labels in the vocabulary
     lengths, anchors = torch.tensor([24, 20]), torch.tensor([[9, 15], [11, 12]])
     gamma, kl_weight = 3.0, 0.4
-    loss, logs = distillation_loss(drafter, target, ids, lengths, anchors, gamma, kl_weight)
+    loss, logs = distillation_loss(drafter, target, ids, lengths, anchors, gamma, kl_weight,
+                                   read=None if read is None else torch.tensor(read))
+    is_read = read or (False, False)
 
     with torch.no_grad():
         out = target(ids, tap_layers=drafter.cfg.target_layer_ids, logits_to_keep=0)
@@ -457,15 +461,19 @@ def test_distillation_loss_over_a_draft_vocabulary(target):
                     pos = int(anchors[n, m]) + d
                     if pos >= int(lengths[n]):
                         continue
-                    label, counted = int(ids[n, pos]), counted + (d == 1)
+                    label, scored = int(ids[n, pos]), d == 1 and not is_read[n]
                     logp = (hidden[n, m, d - 1] @ head.T).log_softmax(-1)
-                    hits += d == 1 and int(drafter.draft_vocab[logp.argmax()]) == label
-                    if label not in drafter.draft_vocab.tolist():
-                        continue
+                    counted += scored
+                    hits += scored and int(drafter.draft_vocab[logp.argmax()]) == label
                     teacher = (out.hidden[n, pos - 1] @ head.T).log_softmax(-1)
-                    ce = -logp[drafter.draft_vocab.tolist().index(label)]
                     kl = (teacher.exp() * (teacher - logp)).sum()
                     w = torch.exp(torch.tensor(-(d - 1) / gamma))
+                    if is_read[n]:
+                        total, weights = total + w * kl, weights + w
+                        continue
+                    if label not in drafter.draft_vocab.tolist():
+                        continue
+                    ce = -logp[drafter.draft_vocab.tolist().index(label)]
                     total, weights = total + w * ((1 - kl_weight) * ce + kl_weight * kl), weights + w
     torch.testing.assert_close(loss, total / weights, rtol=1e-4, atol=1e-5)
     assert logs["acc_d1"] == pytest.approx(hits / counted)

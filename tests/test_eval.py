@@ -69,6 +69,17 @@ def test_storing_states_keeps_the_rollouts_and_changes_what_trains_on_them():
     assert _artifact_keys("train", "rollouts.store_states=true", "drafter.num_taps=2")["states"] != on["states"]
 
 
+def test_read_text_is_its_own_stage_and_retrains_the_drafter():
+    """`drafter.text.sources`: the optional `text` stage, absent from the keys while empty; set, it keeps the
+    rollouts and their states and retrains the drafter (and what reads it); its own key follows its settings."""
+    on = ["rollouts.store_states=true", "drafter.text.sources=[python_stdlib]"]
+    states, text = _artifact_keys("train", on[0]), _artifact_keys("train", *on)
+    assert {k: text[k] for k in ("rollouts", "states")} == {k: states[k] for k in ("rollouts", "states")}
+    assert text["drafter"] != states["drafter"] and text["weaver"] != states["weaver"]
+    assert _artifact_keys("train", *on, "drafter.text.n_sequences=8")["text"] != text["text"]
+    assert _artifact_keys("train", *on, "drafter.train.steps=7")["text"] == text["text"]
+
+
 def test_eval_overrides_run_on_trained_artifacts_without_training(smoke_outputs, tmp_path):
     done = run_script("eval.py", smoke_outputs, "+experiment=smoke", f"eval.out_dir={tmp_path}", "eval.methods=[weaver]",
                       "weaver.search.children=4", "weaver.search.nodes_per_call=2", "weaver.search.pool=48", "model.dtype=float32",
@@ -91,7 +102,7 @@ def test_settings_added_later_keep_existing_keys_at_their_old_behaviour():
     keys = {name: stage_key(cfg, name) for name in STAGES}
     cfg = OmegaConf.create(OmegaConf.to_container(cfg))  # untyped: a schema's fields cannot be deleted
     with open_dict(cfg):
-        for group, added in ADDED_LATER.items():
+        for group, added in sorted(ADDED_LATER.items(), key=lambda item: -item[0].count(".")):  # inner groups first
             node = cfg
             for part in group.split("."):
                 node = node[part]
@@ -102,6 +113,7 @@ def test_settings_added_later_keep_existing_keys_at_their_old_behaviour():
     assert changed["rollouts"] != keys["rollouts"]
     assert _artifact_keys("train", "rollouts.dtype=auto")["rollouts"] != keys["rollouts"]
     assert _artifact_keys("train", "weaver.train.heldout_rollouts=8")["weaver"] != keys["weaver"]
+    assert _artifact_keys("train", "drafter.text.seq_len=64")["drafter"] != keys["drafter"]
 
 
 def test_stored_states_are_keyed_by_the_tapped_layers(tmp_path):

@@ -33,7 +33,8 @@ def rollouts(tmp_path_factory, target):
 
 
 def stored_states(target, rollouts_dir, out_dir, taps=(0, 1)):
-    build_states(target, rollouts_dir, taps, shard_size=3, batch_size=2, out_dir=out_dir, work_dir=out_dir.with_name("work"))
+    rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
+    build_states(target, rows, taps, shard_size=3, batch_size=2, out_dir=out_dir, work_dir=out_dir.with_name("work"))
     return StoredStates(out_dir, taps)
 
 

@@ -83,12 +83,23 @@ def _rollout_settings(cfg: DictConfig) -> list:
 
 
 def _run_states(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    import datasets
+
     from weaver.data.states import build_states
 
     r = cfg.rollouts
     target, _ = load_target_and_tokenizer(cfg, r.dtype)
-    build_states(target, artifact_dir(cfg, "rollouts"), tap_layers_for(cfg, target), r.shard_size, r.batch_size,
-                 out_dir, work_dir)
+    rows = datasets.load_from_disk(str(artifact_dir(cfg, "rollouts") / "dataset"))
+    build_states(target, rows, tap_layers_for(cfg, target), r.shard_size, r.batch_size, out_dir, work_dir)
+
+
+def _run_text(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    from weaver.data.text import build_text
+
+    r = cfg.rollouts
+    target, tokenizer = load_target_and_tokenizer(cfg, r.dtype)
+    build_text(target, tokenizer, cfg.drafter.text, tap_layers_for(cfg, target), r.shard_size, r.batch_size, cfg.seed,
+               out_dir, work_dir)
 
 
 def tap_layers_for(cfg: DictConfig, target) -> tuple[int, ...]:
@@ -125,7 +136,12 @@ def _run_drafter(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
     from weaver.train.drafter import train_drafter
 
     target, tokenizer = load_target_and_tokenizer(cfg)
-    train_drafter(cfg, target, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir, _states_dir(cfg))
+    text_dir = artifact_dir(cfg, "text") if _reads_text(cfg) else None
+    train_drafter(cfg, target, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir, _states_dir(cfg), text_dir)
+
+
+def _reads_text(cfg: DictConfig) -> bool:
+    return cfg.drafter.path is None and bool(OmegaConf.select(cfg, "drafter.text.sources"))  # None: an older config
 
 
 def _run_weaver(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
@@ -150,7 +166,8 @@ HASHED_ELSEWHERE = {"rollouts": ("store_states",)}
 # Settings added after artifacts were built, at the value that reproduces what was built before: at that
 # value they stay out of the key, so existing artifacts remain valid (any other value changes the key).
 ADDED_LATER = {"rollouts": {"samples_per_prompt": 1, "dtype": "model"}, "weaver.train": {"heldout_rollouts": 0},
-               "drafter": {"draft_vocab": None, "draft_vocab_corpus": ["python_stdlib"]}}
+               "drafter": {"draft_vocab": None, "draft_vocab_corpus": ["python_stdlib"], "text": {}},
+               "drafter.text": {"sources": [], "n_sequences": 1024, "seq_len": 192}}
 # Settings whose spelling of a value changed: (new, old), hashed as the old spelling so that artifacts built
 # before stay valid ("never evaluate" was `eval_every: 1000000`, now `null`, for the drafter and adapter).
 RESPELLED = {group: {"eval_every": (None, 1000000)} for group in ("drafter.train", "weaver.train")}
@@ -158,7 +175,8 @@ RESPELLED = {group: {"eval_every": (None, 1000000)} for group in ("drafter.train
 
 def _trained_on(cfg: DictConfig, group: str) -> dict:
     """The config group `group` without its inference-only settings: what a training stage hashes."""
-    settings = OmegaConf.to_container(cfg[group], resolve=True)
+    node = OmegaConf.select(cfg, group)  # None: a group added later, absent from this config
+    settings = {} if node is None else OmegaConf.to_container(node, resolve=True)
     skip = INFERENCE_ONLY.get(group, ()) + HASHED_ELSEWHERE.get(group, ())
     return _as_hashed({k: v for k, v in settings.items() if k not in skip}, group)
 
@@ -189,8 +207,12 @@ STAGES: dict[str, Stage] = {
         _run_states, needed=lambda cfg: cfg.rollouts.store_states, unneeded="rollouts.store_states is false",
         optional=True,
     ),
+    "text": Stage(
+        "text", ("target",), lambda cfg: [_trained_on(cfg, "drafter.text"), _tapped(cfg), cfg.seed], _run_text,
+        needed=_reads_text, unneeded="drafter.text.sources is empty, or drafter.path given", optional=True,
+    ),
     "drafter": Stage(
-        "drafter", ("rollouts", "states"), lambda cfg: [_trained_on(cfg, "drafter"), cfg.seed], _run_drafter,
+        "drafter", ("rollouts", "states", "text"), lambda cfg: [_trained_on(cfg, "drafter"), cfg.seed], _run_drafter,
         needed=lambda cfg: cfg.drafter.path is None, distributed=True,
     ),
     "weaver": Stage(

@@ -42,12 +42,12 @@ def target_states(target: TargetModel, ids: torch.Tensor, tap_layers: tuple[int,
     return torch.stack([*out.taps, out.hidden], dim=2)
 
 
-def build_states(target: TargetModel, rollouts_dir: Path, tap_layers: tuple[int, ...], shard_size: int,
+def build_states(target: TargetModel, rows: datasets.Dataset, tap_layers: tuple[int, ...], shard_size: int,
                  batch_size: int, out_dir: Path, work_dir: Path) -> None:
-    """Run the target once over every rollout (prompt + response) and store its states, shard by shard."""
-    rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
+    """Run the target once over every row (prompt + response: a rollout, or text it reads) and store its
+    states, shard by shard."""
     if list(rows["prompt_index"]) != list(range(len(rows))):
-        raise WeaverError(f"rollouts at {rollouts_dir} are not indexed 0..n-1; rebuild them")
+        raise WeaverError(f"the rows under {out_dir.name} are not indexed 0..n-1; rebuild them")
     device = target.embed.weight.device
     n_shards = -(-len(rows) // shard_size)
     shards_dir = work_dir / "shards"
@@ -83,7 +83,22 @@ def _sequences(rows: datasets.Dataset, first: int, n: int) -> list[list[int]]:
     return [p + r for p, r in zip(chunk["prompt_ids"], chunk["response_ids"])]
 
 
-class StoredStates:
+class States:
+    """The (length, taps + 1, hidden) stored states of row i, and batches of them."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def batch(self, indices: list[int], length: int) -> torch.Tensor:
+        """(N, length, taps + 1, H), zero past each row's end (the right padding of the batch's ids)."""
+        rows = [self[i] for i in indices]
+        out = torch.zeros(len(rows), length, *rows[0].shape[1:], dtype=rows[0].dtype)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = r
+        return out
+
+
+class StoredStates(States):
     """Read access to a `states` artifact: the (length, taps + 1, hidden) states of rollout i."""
 
     def __init__(self, folder: Path, tap_layers: tuple[int, ...]):
@@ -107,10 +122,18 @@ class StoredStates:
         states, offsets, _ = self._shard(shard)
         return states[int(offsets[local]) : int(offsets[local + 1])]
 
-    def batch(self, indices: list[int], length: int) -> torch.Tensor:
-        """(N, length, taps + 1, H), zero past each rollout's end (the right padding of the batch's ids)."""
-        rows = [self[i] for i in indices]
-        out = torch.zeros(len(rows), length, *rows[0].shape[1:], dtype=rows[0].dtype)
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = r
-        return out
+    def __len__(self) -> int:
+        return self.meta["n_rollouts"]
+
+
+class ConcatStates(States):
+    """Several stored-states artifacts read as one: row i runs through the first's rows, then the next's
+    (the order in which their datasets are concatenated)."""
+
+    def __init__(self, parts: list[StoredStates]):
+        self.parts = parts
+        self.starts = torch.tensor([0] + [len(p) for p in parts]).cumsum(0).tolist()
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        part = next(k for k in range(len(self.parts)) if index < self.starts[k + 1])
+        return self.parts[part][index - self.starts[part]]

@@ -7,7 +7,9 @@ a + d; position d is weighted exp(-(d - 1) / gamma). With `kl_weight` > 0 the lo
 divergence to the target's own next-token distribution. With `draft_vocab: n` the drafter drafts from the
 n most frequent tokens of the rollouts' responses and the offline corpora `draft_vocab_corpus` (equal
 mixture of their frequencies): its loss is over them (labels outside are left out of the loss, the KL's
-teacher is the target's distribution renormalised over them), its accuracy over all.
+teacher is the target's distribution renormalised over them), its accuracy over all. With `text.sources`
+the drafter also trains on text the target has read (`weaver.data.text`): its tokens are not the target's,
+so there the loss is the KL alone and the accuracy is not counted.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from weaver.data.corpus import collect_documents
-from weaver.data.states import StoredStates, right_pad
+from weaver.data.states import ConcatStates, StoredStates, right_pad
 from weaver.errors import WeaverError
 from weaver.models.checkpoint import check_tokenizer, tokenizer_fingerprint
 from weaver.models.drafter import Drafter
@@ -99,9 +101,12 @@ def draft_blocks(drafter: Drafter, target: TargetModel, ids: torch.Tensor, ancho
 
 def distillation_loss(
     drafter: Drafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
-    gamma: float, kl_weight: float, states: torch.Tensor | None = None,
+    gamma: float, kl_weight: float, states: torch.Tensor | None = None, read: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted CE on the target's tokens mixed with KL to its distribution (`kl_weight`); rows flagged in
+    `read` (N,) bool are text the target read, not wrote: KL only there."""
     N, L = ids.shape
+    read = torch.zeros(N, dtype=torch.bool, device=ids.device) if read is None else read.to(ids.device)
     B = drafter.cfg.block_size
     taps, hidden = taps_and_hidden(target, ids, drafter.cfg.target_layer_ids, states)
     logits = drafter.vocab_logits(target, draft_blocks(drafter, target, ids, anchors, taps)).float()
@@ -111,17 +116,22 @@ def distillation_loss(
     valid = (anchors[:, :, None] + offsets[1:]) < lengths[:, None, None]
     vocab = drafter.draft_vocab
     in_vocab = labels if vocab is None else draft_index(vocab, target.cfg.vocab_size)[labels]  # -1: outside
-    weight = torch.exp(-(offsets[1:] - 1).float() / gamma) * (valid & (in_vocab >= 0))
+    depth_weight = torch.exp(-(offsets[1:] - 1).float() / gamma)
+    kl_share = torch.where(read, 1.0, kl_weight)[:, None, None]  # (N, 1, 1)
+    # a read text's tokens weigh in the KL only: labels outside the draft vocabulary do not matter there
+    weight = depth_weight * (valid & ((in_vocab >= 0) | read[:, None, None]))
     ce = F.cross_entropy(logits.flatten(0, 2), in_vocab.clamp(min=0).flatten(), reduction="none").view_as(weight)
-    loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
-    if kl_weight:
+    loss = (ce * weight * (1 - kl_share)).sum()
+    if kl_weight or read.any():
         with torch.no_grad():  # the target at p predicts p + 1: the label at a + d
             at_labels = hidden[torch.arange(N)[:, None, None], label_pos - 1]
             teacher = drafter.vocab_logits(target, at_labels).float().log_softmax(-1)
         kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
-        loss = (1 - kl_weight) * loss + kl_weight * (kl * weight).sum() / weight.sum().clamp(min=1e-6)
+        loss = loss + (kl * weight * kl_share).sum()
+    loss = loss / weight.sum().clamp(min=1e-6)
     predicted = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
-    accuracy = ((predicted == labels) & valid).float().sum(0).sum(0) / valid.float().sum(0).sum(0).clamp(min=1)
+    counted = valid & ~read[:, None, None]  # a read text's tokens are not the target's choices
+    accuracy = ((predicted == labels) & counted).float().sum(0).sum(0) / counted.float().sum(0).sum(0).clamp(min=1)
     return loss, {"acc_d1": accuracy[0].item(), f"acc_d{B - 1}": accuracy[-1].item()}
 
 
@@ -156,9 +166,23 @@ def frequent_tokens(counts: list[torch.Tensor], n: int) -> torch.Tensor:
     return order[:n].sort().values
 
 
+def with_read_text(rows: datasets.Dataset, stored: StoredStates | None, text_dir: Path,
+                   tap_layers: tuple[int, ...]) -> tuple[datasets.Dataset, ConcatStates]:
+    """The rollouts followed by the text the target read (`text` stage), indexed on from the last rollout, and
+    their stored states read as one."""
+    if stored is None:
+        raise WeaverError("drafter.text needs stored rollout states (rollouts.store_states: true): read text is "
+                          "only ever trained on from its stored states")
+    # in memory: reading an artifact never writes cache files into it
+    text = datasets.load_from_disk(str(text_dir / "dataset")).cast(rows.features, keep_in_memory=True)
+    text = text.map(lambda r: {"prompt_index": r["prompt_index"] + len(rows)}, keep_in_memory=True)
+    return datasets.concatenate_datasets([rows, text]), ConcatStates([stored, StoredStates(text_dir / "states", tap_layers)])
+
+
 def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir: Path, out_dir: Path, work_dir: Path,
-                  states_dir: Path | None = None) -> dict:
-    """Train the drafter described by cfg.drafter on the rollouts; write a DFlash-format checkpoint."""
+                  states_dir: Path | None = None, text_dir: Path | None = None) -> dict:
+    """Train the drafter described by cfg.drafter on the rollouts (and the text the target read, `text_dir`);
+    write a DFlash-format checkpoint."""
     d, train = cfg.drafter, cfg.drafter.train
     check_tokenizer(tokenizer, target.cfg.vocab_size, "the target's tokenizer")
     mask_id = tokenizer.convert_tokens_to_ids(d.mask_token)
@@ -184,16 +208,24 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
     accelerator = make_accelerator(cfg, f"{cfg.experiment}-drafter", train.precision)
     target.to(accelerator.device)
     stored = None if states_dir is None else StoredStates(states_dir, drafter.cfg.target_layer_ids)
+    n_rollouts = len(rows)
+    if text_dir is not None:
+        rows, stored = with_read_text(rows, stored, text_dir, drafter.cfg.target_layer_ids)
     collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed, stored)
 
     def loss_fn(model, batch):
-        ids, lengths, anchors, states = batch
-        return distillation_loss(model, target, ids, lengths, anchors, train.gamma, train.kl_weight, states)
+        ids, lengths, anchors, states, read = batch
+        return distillation_loss(model, target, ids, lengths, anchors, train.gamma, train.kl_weight, states, read)
+
+    def collate_with_source(batch: list[dict]) -> tuple:  # rows past the rollouts are read text
+        return (*collate(batch), torch.tensor([r["prompt_index"] >= n_rollouts for r in batch]))
 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=train.weight_decay)
     n_params = sum(p.numel() for p in drafter.parameters())
-    accelerator.print(f"drafter: {n_params / 1e6:.2f}M parameters, {len(rows)} rollouts, taps {drafter.cfg.target_layer_ids}")
-    metrics = fit(accelerator, drafter, optimizer, rows, collate, loss_fn, train, work_dir, cfg.seed, desc="drafter")
+    read = f" + {len(rows) - n_rollouts} read texts" if len(rows) > n_rollouts else ""
+    accelerator.print(f"drafter: {n_params / 1e6:.2f}M parameters, {n_rollouts} rollouts{read}, taps {drafter.cfg.target_layer_ids}")
+    metrics = fit(accelerator, drafter, optimizer, rows, collate_with_source, loss_fn, train, work_dir, cfg.seed,
+                  desc="drafter")
     drafter = drafter.float().cpu().eval()
     summary = {"params": n_params, **metrics}
     write_artifact(accelerator, lambda out: save_drafter(drafter, hf_config, out), out_dir, summary,
