@@ -23,7 +23,8 @@ from hydra import compose, initialize_config_dir
 from timing import print_table_header
 from weaver.data.states import StoredStates
 from weaver.models.adapter import with_pool
-from weaver.pipeline import ROOT_CONF, artifact_dir, load_adapter_for, load_drafter_for, load_target_and_tokenizer
+from weaver.artifacts import load_adapter_for, load_drafter_for, load_target_and_tokenizer
+from weaver.pipeline import ROOT_CONF, artifact_dir
 from weaver.train.adapter import adapter_loss, heldout_metrics, split_heldout
 from weaver.train.drafter import anchored_batches
 

@@ -25,7 +25,8 @@ from hydra import compose, initialize_config_dir
 from timing import print_table_header, timed
 from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
-from weaver.pipeline import ROOT_CONF, artifact_dir, load_target_and_tokenizer
+from weaver.artifacts import load_target_and_tokenizer
+from weaver.pipeline import ROOT_CONF, artifact_dir
 from weaver.train.drafter import corpus_token_counts, frequent_tokens, token_counts
 
 

@@ -23,7 +23,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from timing import print_table_header, timed  # noqa: E402
 
 from weaver.generate import generate  # noqa: E402
-from weaver.pipeline import ROOT_CONF, load_target_and_tokenizer  # noqa: E402
+from weaver.artifacts import load_target_and_tokenizer  # noqa: E402
+from weaver.pipeline import ROOT_CONF  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 

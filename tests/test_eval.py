@@ -78,6 +78,7 @@ def test_read_text_is_its_own_stage_and_retrains_the_drafter():
     assert text["drafter"] != states["drafter"] and text["weaver"] != states["weaver"]
     assert _artifact_keys("train", *on, "drafter.text.n_sequences=8")["text"] != text["text"]
     assert _artifact_keys("train", *on, "drafter.train.steps=7")["text"] == text["text"]
+    assert _artifact_keys("train", *on, "rollouts.dtype=bfloat16")["text"] != text["text"]  # states stored in bf16
 
 
 def test_eval_overrides_run_on_trained_artifacts_without_training(smoke_outputs, tmp_path):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -79,3 +82,28 @@ def test_a_run_appends_each_row_once(tmp_path):
     append_rows(path, [row, {**row, "method": "chain", "budget": 7}])  # a resumed run appends the dataset again
     append_rows(path, [{**row, "run_id": "r2"}])  # a new run of the same measurement is kept (the summary takes it)
     assert [(r["run_id"], r["method"]) for r in read_rows(path)] == [("r1", "ar"), ("r1", "chain"), ("r2", "ar")]
+
+
+def test_a_lock_waits_for_its_holder_and_a_killed_holder_leaves_none(tmp_path):
+    lock = tmp_path / "locks" / "a.lock"
+    hold = "import sys, time; from weaver.io import exclusive\nwith exclusive(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        heard: list[str] = []
+
+        def take_and_release() -> None:
+            with io.exclusive(lock, on_wait=heard.append):
+                pass
+
+        waiter = threading.Thread(target=take_and_release)
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and heard == [f"waiting for process {holder.pid}, which holds {lock}"]
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs, the kernel drops the lock
+        holder.wait()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "the lock of a killed holder is free"
+    with io.exclusive(lock, on_wait=heard.append):
+        assert len(heard) == 1 and lock.read_text() == str(os.getpid())

@@ -206,3 +206,26 @@ def test_gpu_recipe_runs_from_local_snapshots(smoke, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in rows} == {"ar", "chain", "ddtree", "weaver", "oracle"}
     assert all(r["greedy_match"] for r in rows)
+
+
+def test_a_second_run_of_a_stage_waits_for_the_first_then_reuses_its_artifact(smoke, tmp_path):
+    """Two runs on the same outputs never build one artifact together (they would share its work folder and
+    the second would replace the first's artifact): the second waits on the artifact's lock, then finds it built."""
+    from weaver.io import exclusive
+
+    corpus = Path(json.loads((smoke / "smoke" / "artifacts.json").read_text())["corpus"])
+    built = tmp_path / "artifacts" / corpus.name
+    env = {**os.environ, "WEAVER_OUTPUTS": str(tmp_path), "WANDB_MODE": "disabled"}
+    with exclusive(built.parent / ".locks" / f"{built.name}.lock"):  # this test is the first run, mid-build
+        second = subprocess.Popen([sys.executable, "train.py", "+experiment=smoke", "stages=[corpus]"], cwd=ROOT,
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        said = []
+        for line in second.stdout:  # ends at its exit if it never waits
+            said.append(line)
+            if "[corpus] waiting for process" in line:
+                break
+        assert said and f"waiting for process {os.getpid()}" in said[-1], "".join(said)[-3000:]
+        shutil.copytree(corpus, built)  # the first run's artifact appears, then its lock is released
+    rest, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, rest[-3000:]
+    assert "[corpus] up to date" in rest and "[corpus] building" not in "".join(said) + rest

@@ -25,7 +25,8 @@ from weaver.acceptance import SAMPLING_RULES, SamplingRule
 from weaver.engine import speculative_generate
 from weaver.eval.results import read_rows
 from weaver.generate import generate
-from weaver.pipeline import ROOT_CONF, gguf_as_safetensors, load_target_and_tokenizer
+from weaver.artifacts import gguf_as_safetensors, load_target_and_tokenizer
+from weaver.pipeline import ROOT_CONF
 
 
 @pytest.fixture(scope="module")

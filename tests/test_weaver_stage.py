@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 import weaver.train.adapter as adapter_stage
 from weaver.errors import WeaverError
 from weaver.models.adapter import WeaverAdapter, load_adapter
-from weaver.pipeline import ROOT_CONF, artifact_dir, load_drafter_for, load_target_and_tokenizer
+from weaver.artifacts import load_drafter_for, load_target_and_tokenizer
+from weaver.pipeline import ROOT_CONF, artifact_dir
 from weaver.train.common import Checkpoints
 from weaver.train.drafter import anchored_batches
 

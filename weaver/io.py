@@ -7,11 +7,12 @@ parent folder. A reader therefore sees the old version, or the whole new one, ne
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,28 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+@contextmanager
+def exclusive(lock_file: Path, on_wait: Callable[[str], None] = print) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_file` for the block, waiting for another process that holds it.
+
+    An advisory `flock`: the kernel drops it with the holder's file descriptor, so a killed holder leaves
+    no stale lock behind. `on_wait` hears once who holds it (its pid) before this process waits."""
+    lock_file = Path(lock_file)
+    writable_dir(lock_file.parent)
+    with open(lock_file, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            on_wait(f"waiting for process {f.read().strip() or '?'}, which holds {lock_file}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -3,7 +3,8 @@
 An artifact lives in `<paths.root>/artifacts/<stage>-<key>/`, where key hashes the config slice the
 stage reads plus the keys of the stages it consumes: rerunning with the same config skips the stage,
 changing e.g. the model width retrains the target and everything downstream. Training state of an
-unfinished stage lives beside it in `<stage>-<key>.work/` (checkpoints), so a rerun resumes.
+unfinished stage lives beside it in `<stage>-<key>.work/` (checkpoints), so a rerun resumes. A run holds
+`artifacts/.locks/<stage>-<key>.lock` while it builds, so a concurrent run of the same stage waits for it.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import importlib.util
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from weaver.errors import WeaverError
-from weaver.io import atomic_write_json, remove_stale_temporaries
+from weaver.io import atomic_write_json, exclusive, remove_stale_temporaries
 from weaver.train.config import register_schemas
 
 register_schemas()  # the stages' training settings are typed (conf/*: `/schema/train/<stage>`)
@@ -64,6 +66,7 @@ def _run_target(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
 
 
 def _run_rollouts(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    from weaver.artifacts import load_target_and_tokenizer
     from weaver.data.rollouts import corpus_prompts, generate_rollouts, set_prompts
 
     r = cfg.rollouts
@@ -85,6 +88,7 @@ def _rollout_settings(cfg: DictConfig) -> list:
 def _run_states(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
     import datasets
 
+    from weaver.artifacts import load_target_and_tokenizer
     from weaver.data.states import build_states
 
     r = cfg.rollouts
@@ -94,6 +98,7 @@ def _run_states(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
 
 
 def _run_text(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    from weaver.artifacts import load_target_and_tokenizer
     from weaver.data.text import build_text
 
     r = cfg.rollouts
@@ -133,6 +138,7 @@ def _states_dir(cfg: DictConfig) -> Path | None:
 
 
 def _run_drafter(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    from weaver.artifacts import load_target_and_tokenizer
     from weaver.train.drafter import train_drafter
 
     target, tokenizer = load_target_and_tokenizer(cfg)
@@ -140,11 +146,17 @@ def _run_drafter(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
     train_drafter(cfg, target, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir, _states_dir(cfg), text_dir)
 
 
+def _read_in(cfg: DictConfig) -> dict:
+    """The precision the target reads text in (`rollouts.dtype`, as for the rollouts): the stored states' dtype."""
+    return _as_hashed({"dtype": OmegaConf.select(cfg, "rollouts.dtype", default="model")}, "rollouts")  # older configs: none
+
+
 def _reads_text(cfg: DictConfig) -> bool:
     return cfg.drafter.path is None and bool(OmegaConf.select(cfg, "drafter.text.sources"))  # None: an older config
 
 
 def _run_weaver(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
+    from weaver.artifacts import load_drafter_for, load_target_and_tokenizer
     from weaver.train.adapter import train_adapter
 
     target, tokenizer = load_target_and_tokenizer(cfg)
@@ -208,8 +220,8 @@ STAGES: dict[str, Stage] = {
         optional=True,
     ),
     "text": Stage(
-        "text", ("target",), lambda cfg: [_trained_on(cfg, "drafter.text"), _tapped(cfg), cfg.seed], _run_text,
-        needed=_reads_text, unneeded="drafter.text.sources is empty, or drafter.path given", optional=True,
+        "text", ("target",), lambda cfg: [{**_trained_on(cfg, "drafter.text"), **_read_in(cfg)}, _tapped(cfg), cfg.seed],
+        _run_text, needed=_reads_text, unneeded="drafter.text.sources is empty, or drafter.path given", optional=True,
     ),
     "drafter": Stage(
         "drafter", ("rollouts", "states", "text"), lambda cfg: [_trained_on(cfg, "drafter"), cfg.seed], _run_drafter,
@@ -248,6 +260,8 @@ def run_stages(cfg: DictConfig) -> dict[str, str]:
     stage's artifact before the next stage."""
     from accelerate import PartialState
 
+    from weaver.artifacts import gguf_as_safetensors
+
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
         raise WeaverError(f"unknown stage(s) {unknown}; available: {', '.join(STAGES)}")
@@ -265,25 +279,43 @@ def run_stages(cfg: DictConfig) -> dict[str, str]:
             say(f"[{name}] not needed with this config ({stage.unneeded})")
             continue
         out_dir = artifact_dir(cfg, name)
-        work_dir = out_dir.with_name(out_dir.name + ".work")
-        if out_dir.exists():
-            say(f"[{name}] up to date: {out_dir}")
-        else:
-            say(f"[{name}] building {out_dir}")
-            if state.is_main_process:
-                remove_stale_temporaries(out_dir)  # a killed run's half-written folder: never read, now removed
-            start = time.perf_counter()
-            if stage.distributed or state.is_main_process:
-                stage.run(cfg, out_dir, work_dir)
-            _wait_for(out_dir)
-            say(f"[{name}] built in {time.perf_counter() - start:.1f} s")
-        if state.is_main_process:  # checkpoints and shards: done with (also when a kill came right after the artifact)
-            shutil.rmtree(work_dir, ignore_errors=True)
+        with _alone_on(out_dir, name, state):
+            _build_once(stage, name, cfg, out_dir, state)
         done[name] = str(out_dir)
     if state.is_main_process:
         atomic_write_json(Path(cfg.paths.root) / cfg.experiment / "artifacts.json", done)
     state.destroy_process_group()
     return done
+
+
+@contextmanager
+def _alone_on(out_dir: Path, name: str, state) -> Iterator[None]:
+    """Rank 0 holds the artifact's lock while it checks and builds it: a second run of the same stage (another
+    job on the same outputs) waits, then finds the artifact built, instead of sharing its work folder."""
+    if not state.is_main_process:
+        yield
+        return
+    lock = out_dir.parent / ".locks" / f"{out_dir.name}.lock"
+    with exclusive(lock, on_wait=lambda why: print(f"[{name}] {why}", flush=True)):
+        yield
+
+
+def _build_once(stage: Stage, name: str, cfg: DictConfig, out_dir: Path, state) -> None:
+    say = state.print  # rank 0 only
+    work_dir = out_dir.with_name(out_dir.name + ".work")
+    if out_dir.exists():
+        say(f"[{name}] up to date: {out_dir}")
+    else:
+        say(f"[{name}] building {out_dir}")
+        if state.is_main_process:
+            remove_stale_temporaries(out_dir)  # a killed run's half-written folder: never read, now removed
+        start = time.perf_counter()
+        if stage.distributed or state.is_main_process:
+            stage.run(cfg, out_dir, work_dir)
+        _wait_for(out_dir)
+        say(f"[{name}] built in {time.perf_counter() - start:.1f} s")
+    if state.is_main_process:  # checkpoints and shards: done with (also when a kill came right after the artifact)
+        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def _wait_for(folder: Path, poll_s: float = 1.0) -> None:
@@ -305,100 +337,3 @@ def _with_inputs(names: list[str]) -> list[str]:
     for name in names:
         visit(name)
     return order
-
-
-def load_target_and_tokenizer(cfg: DictConfig, data_setting: str = "model"):
-    """The experiment's target model (on `cfg.device`, in `model.dtype`, or for the data stages in
-    `rollouts.dtype` given as data_setting) and tokenizer: the trained artifact, an HF folder/hub id, or a GGUF."""
-    from weaver.models.checkpoint import load_target, load_tokenizer
-    from weaver.precision import data_dtype, resolve_device
-
-    device = resolve_device(cfg.device)
-    folder = target_folder(cfg)
-    target = load_target(str(folder), data_dtype(data_setting, cfg.model.dtype, device)).to(device)
-    return target, load_tokenizer(folder, target)  # refused if its ids do not fit the target's vocabulary
-
-
-def target_folder(cfg: DictConfig) -> Path:
-    """The target's HF-format folder: the trained artifact, a given folder or hub snapshot, or the cached GGUF."""
-    from weaver.models.checkpoint import resolve_checkpoint
-
-    if cfg.model.source == "scratch":
-        folder = artifact_dir(cfg, "target")
-        if not folder.exists():
-            raise WeaverError(f"no trained target at {folder}; run `python train.py +experiment={cfg.experiment}` first")
-        return folder
-    if cfg.model.source == "hf":
-        return resolve_checkpoint(cfg.model.path)
-    if cfg.model.source == "gguf":
-        return gguf_as_safetensors(cfg)
-    raise WeaverError(f"model.source must be scratch, hf or gguf, not '{cfg.model.source}'")
-
-
-def gguf_as_safetensors(cfg: DictConfig) -> Path:
-    """The GGUF target dequantised once into an HF safetensors folder under `artifacts/gguf-<key>/` (key: the
-    file's path, size and mtime): dequantising takes most of a minute, reading safetensors a second."""
-    import torch
-    from transformers import AutoConfig, AutoTokenizer
-
-    from weaver.models.checkpoint import load_target, save_hf_checkpoint
-
-    source = Path(cfg.model.path) / cfg.model.gguf_file
-    if not source.is_file():
-        raise WeaverError(f"GGUF file not found: {source}")
-    stat = source.stat()
-    key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:10]
-    folder = Path(cfg.paths.root) / "artifacts" / f"gguf-{key}"
-    if not folder.exists():
-        print(f"[gguf] dequantising {source} once into {folder}")
-        model = load_target(cfg.model.path, torch.float32, gguf_file=cfg.model.gguf_file)
-        hf_config = AutoConfig.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file)
-        save_hf_checkpoint(model, hf_config, folder, tokenizer)
-    return folder
-
-
-def _like(model, target):
-    """`model` on the target's device and in its dtype: a bf16 target on a GPU gets a bf16 drafter there."""
-    weight = target.embed.weight
-    return model.to(device=weight.device, dtype=weight.dtype)
-
-
-def drafter_folder(cfg: DictConfig) -> Path:
-    """The experiment's drafter checkpoint: a given DFlash folder or hub snapshot (cfg.drafter.path), or the
-    trained artifact."""
-    from weaver.models.checkpoint import resolve_checkpoint
-
-    if cfg.drafter.path is not None:
-        if cfg.drafter.get("draft_vocab") is not None:
-            raise WeaverError("drafter.draft_vocab applies to drafters trained here; a given drafter (drafter.path) "
-                              "drafts from the vocabulary its checkpoint records")
-        return resolve_checkpoint(str(cfg.drafter.path))
-    folder = artifact_dir(cfg, "drafter")
-    if not folder.exists():
-        raise WeaverError(f"no trained drafter at {folder}; run `python train.py +experiment={cfg.experiment}` first")
-    return folder
-
-
-def load_drafter_for(cfg: DictConfig, target):
-    """The experiment's drafter (`drafter_folder`), checked against the target and placed like it."""
-    from weaver.models.drafter_checkpoint import load_drafter
-
-    return _like(load_drafter(str(drafter_folder(cfg)), target), target)
-
-
-def adapter_folder(cfg: DictConfig) -> Path:
-    """The experiment's Weaver adapter: a given folder (cfg.weaver.path) or the trained artifact."""
-    folder = Path(cfg.weaver.path) if cfg.weaver.path is not None else artifact_dir(cfg, "weaver")
-    if not folder.exists():
-        raise WeaverError(f"no trained Weaver adapter at {folder}; run `python train.py +experiment={cfg.experiment}` first")
-    return folder
-
-
-def load_adapter_for(cfg: DictConfig, target, drafter):
-    """The experiment's Weaver adapter (`adapter_folder`), checked against the target and drafter, searching
-    the pool `weaver.search.pool` (null: the one it was trained on)."""
-    from weaver.models.adapter import load_adapter, with_pool
-
-    adapter = load_adapter(adapter_folder(cfg), target, drafter.cfg.block_size - 1)
-    return _like(with_pool(adapter, cfg.weaver.search.pool), target)

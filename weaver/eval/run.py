@@ -43,7 +43,7 @@ from weaver.generate import generate
 from weaver.io import writable_dir
 from weaver.models.compile import inductor_mode
 from weaver.models.config import check_context, is_count
-from weaver.pipeline import load_adapter_for, load_drafter_for, load_target_and_tokenizer
+from weaver.artifacts import load_adapter_for, load_drafter_for, load_target_and_tokenizer
 
 Models = dict[str, Any]  # "target", whatever the selected methods need ("drafter", ...), "step_costs" (budget: auto)
 SHARES = (*(f"{phase}_share" for phase in PHASES), "other_share")  # the time split of a speculative row

@@ -32,7 +32,7 @@ from weaver.eval.transformers_reference import load_transformers_target, transfo
 from weaver.models.checkpoint import load_hf_config, load_tokenizer
 from weaver.models.config import is_count
 from weaver.models.drafter_checkpoint import drafter_config
-from weaver.pipeline import adapter_folder, drafter_folder, target_folder
+from weaver.artifacts import adapter_folder, drafter_folder, target_folder
 from weaver.precision import inference_dtype, resolve_device
 from weaver.serving.sglang.runs import CPU_ENGINE, stand_ins_environment
 

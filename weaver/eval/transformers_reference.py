@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from weaver.generate import until_eos
-from weaver.pipeline import target_folder
+from weaver.artifacts import target_folder
 
 
 @torch.inference_mode()
