@@ -212,11 +212,12 @@ def test_a_second_run_of_a_stage_waits_for_the_first_then_reuses_its_artifact(sm
     """Two runs on the same outputs never build one artifact together (they would share its work folder and
     the second would replace the first's artifact): the second waits on the artifact's lock, then finds it built."""
     from weaver.io import exclusive
+    from weaver.pipeline import lock_file
 
     corpus = Path(json.loads((smoke / "smoke" / "artifacts.json").read_text())["corpus"])
     built = tmp_path / "artifacts" / corpus.name
     env = {**os.environ, "WEAVER_OUTPUTS": str(tmp_path), "WANDB_MODE": "disabled"}
-    with exclusive(built.parent / ".locks" / f"{built.name}.lock"):  # this test is the first run, mid-build
+    with exclusive(lock_file(built)):  # this test is the first run, mid-build
         second = subprocess.Popen([sys.executable, "train.py", "+experiment=smoke", "stages=[corpus]"], cwd=ROOT,
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         said = []

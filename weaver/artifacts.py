@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from weaver.errors import WeaverError
 from weaver.io import exclusive
-from weaver.pipeline import artifact_dir
+from weaver.pipeline import artifact_dir, lock_file
 
 
 def load_target_and_tokenizer(cfg: DictConfig, data_setting: str = "model"):
@@ -58,7 +58,7 @@ def gguf_as_safetensors(cfg: DictConfig) -> Path:
     stat = source.stat()
     key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:10]
     folder = Path(cfg.paths.root) / "artifacts" / f"gguf-{key}"
-    with exclusive(folder.parent / ".locks" / f"{folder.name}.lock"):
+    with exclusive(lock_file(folder)):
         if not folder.exists():
             print(f"[gguf] dequantising {source} once into {folder}")
             model = load_target(cfg.model.path, torch.float32, gguf_file=cfg.model.gguf_file)

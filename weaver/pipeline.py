@@ -4,7 +4,7 @@ An artifact lives in `<paths.root>/artifacts/<stage>-<key>/`, where key hashes t
 stage reads plus the keys of the stages it consumes: rerunning with the same config skips the stage,
 changing e.g. the model width retrains the target and everything downstream. Training state of an
 unfinished stage lives beside it in `<stage>-<key>.work/` (checkpoints), so a rerun resumes. A run holds
-`artifacts/.locks/<stage>-<key>.lock` while it builds, so a concurrent run of the same stage waits for it.
+`<paths.root>/.locks/<stage>-<key>.lock` while it builds, so a concurrent run of the same stage waits for it.
 """
 
 from __future__ import annotations
@@ -288,6 +288,12 @@ def run_stages(cfg: DictConfig) -> dict[str, str]:
     return done
 
 
+def lock_file(artifact: Path) -> Path:
+    """Where the lock of an artifact (`<root>/artifacts/<name>`) lives: `<root>/.locks/<name>.lock`, beside the
+    artifacts folder so that it holds artifacts only."""
+    return artifact.parent.parent / ".locks" / f"{artifact.name}.lock"
+
+
 @contextmanager
 def _alone_on(out_dir: Path, name: str, state) -> Iterator[None]:
     """Rank 0 holds the artifact's lock while it checks and builds it: a second run of the same stage (another
@@ -295,8 +301,7 @@ def _alone_on(out_dir: Path, name: str, state) -> Iterator[None]:
     if not state.is_main_process:
         yield
         return
-    lock = out_dir.parent / ".locks" / f"{out_dir.name}.lock"
-    with exclusive(lock, on_wait=lambda why: print(f"[{name}] {why}", flush=True)):
+    with exclusive(lock_file(out_dir), on_wait=lambda why: print(f"[{name}] {why}", flush=True)):
         yield
 
 
