@@ -28,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from weaver.artifacts import load_adapter_for, load_drafter_for, load_target_and_tokenizer
 from weaver.builders import TREE_METHODS
 from weaver.budget import BudgetPlanner, check_budgets, check_candidates, measure_step_costs
 from weaver.calibration import RRS_PRIORITIES
@@ -43,7 +44,6 @@ from weaver.generate import generate
 from weaver.io import writable_dir
 from weaver.models.compile import inductor_mode
 from weaver.models.config import check_context, is_count
-from weaver.artifacts import load_adapter_for, load_drafter_for, load_target_and_tokenizer
 
 Models = dict[str, Any]  # "target", whatever the selected methods need ("drafter", ...), "step_costs" (budget: auto)
 SHARES = (*(f"{phase}_share" for phase in PHASES), "other_share")  # the time split of a speculative row

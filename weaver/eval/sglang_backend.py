@@ -24,6 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from weaver.artifacts import adapter_folder, drafter_folder, target_folder
 from weaver.builders import TREE_METHODS
 from weaver.data.prompts import encode_prompts, template_kwargs
 from weaver.errors import WeaverError
@@ -32,7 +33,6 @@ from weaver.eval.transformers_reference import load_transformers_target, transfo
 from weaver.models.checkpoint import load_hf_config, load_tokenizer
 from weaver.models.config import is_count
 from weaver.models.drafter_checkpoint import drafter_config
-from weaver.artifacts import adapter_folder, drafter_folder, target_folder
 from weaver.precision import inference_dtype, resolve_device
 from weaver.serving.sglang.runs import CPU_ENGINE, stand_ins_environment
 

@@ -7,8 +7,8 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from weaver.generate import until_eos
 from weaver.artifacts import target_folder
+from weaver.generate import until_eos
 
 
 @torch.inference_mode()
