@@ -6,8 +6,9 @@
 After a prefill of --context pseudo-random tokens, times `TargetModel.verify` on random trees of each size
 (nothing is committed, so every call sees the same cache) and one-token decode steps, eager and compiled
 (`eval.compile`: true or max-autotune; a compiled verify pads the tree to its size bucket, `verify_size`), interleaved over
---repeats rounds; medians. Arguments other than the options are eval.py
-overrides (model, dtype, device).
+--repeats rounds; medians. --both-linears times every forward twice, with prepacked weights and with
+`F.linear` (`eval.prepack`, weaver/models/linear.py), interleaved. Arguments other than the options are
+eval.py overrides (model, dtype, device).
 """
 
 from __future__ import annotations
@@ -15,14 +16,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from hydra import compose, initialize_config_dir
 
 from weaver.eval.run import load_models
-from weaver.pipeline import ROOT_CONF
+from weaver.models.linear import prepacked_weights
 from weaver.models.target import verify_size
+from weaver.pipeline import ROOT_CONF
 from weaver.tree import Tree
+
+
+def with_linears(packed: bool, run: Callable[[], object]) -> None:
+    with prepacked_weights(packed):
+        run()
 
 
 def random_tree(size: int, vocab: int, generator: torch.Generator) -> Tree:
@@ -36,6 +44,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 3, 5, 9, 17, 33, 65])
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--both-linears", action="store_true", help="each forward with and without prepacked weights")
     args, overrides = parser.parse_known_args()
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
         cfg = compose("eval", overrides=[*overrides, "eval.methods=[ar]"])
@@ -65,6 +74,9 @@ def main() -> None:
     if cfg.eval.compile:
         runs |= {f"verify {size} (compiled)": (lambda tree=tree: target.verify(tree, cache, compiled=cfg.eval.compile))
                  for size, tree in trees.items()}
+    if args.both_linears:
+        runs = {f"{label} {name}": (lambda run=run, packed=packed: with_linears(packed, run))
+                for label, run in runs.items() for name, packed in [("[prepacked]", True), ("[F.linear]", False)]}
     times: dict[str, list[float]] = {label: [] for label in runs}
     for label, run in runs.items():  # warm-up: allocation and compilation
         timed(run)
@@ -72,12 +84,13 @@ def main() -> None:
         for label, run in runs.items():
             times[label].append(timed(run))
     ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
-    eager, compiled = ms["decode (eager)"], ms["decode (compiled)"]
     print(f"{cfg.experiment}: context {args.context}, {target.embed.weight.dtype}, {device}, compile {cfg.eval.compile}, "
           f"cpu {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, median of {args.repeats}")
     print("| forward | ms | / eager decode | / compiled decode |")
     print("|---|---|---|---|")
     for label, value in ms.items():
+        linears = label[label.find(" ["):] if " [" in label else ""  # each row against the decode of its own linears
+        eager, compiled = ms[f"decode (eager){linears}"], ms[f"decode (compiled){linears}"]
         print(f"| {label} | {value:.2f} | {value / eager:.2f} | {value / compiled:.2f} |")
 
 

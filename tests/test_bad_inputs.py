@@ -196,7 +196,7 @@ OTHER_TOKENIZER = tokenizer_fingerprint(word_tokenizer(VOCAB, "w"))  # same size
 def eval_config(**changes) -> OmegaConf:
     """A config with the eval settings check_names and the SGLang backend read (defaults: a valid one)."""
     e = {"methods": ["ar"], "datasets": [], "budgets": [4], "seed": 0, "backend": "torch", "rrs_priority": "draft",
-         "sglang": {"python": None, "concurrency": [1]}}
+         "prepack": True, "sglang": {"python": None, "concurrency": [1]}}
     return OmegaConf.create({"eval": {**e, **changes, "sglang": {**e["sglang"], **changes.get("sglang", {})}},
                              "prompt_sets": {}})
 
@@ -256,6 +256,8 @@ CASES = [
      "eval.seed must be a whole number >= 0, got 'x'"),
     ("unknown eval.rrs_priority", lambda m, t: check_names(eval_config(rrs_priority="learned")),
      "eval.rrs_priority must be one of ['draft', 'acceptance'], got 'learned'"),
+    ("eval.prepack not a boolean", lambda m, t: check_names(eval_config(prepack="yes")),
+     "eval.prepack must be true or false, got 'yes'"),
     ("unknown eval.backend", lambda m, t: check_names(eval_config(backend="vllm")),
      "eval.backend must be one of ['torch', 'sglang'], got 'vllm'"),
     ("SGLang backend asked for the oracle", lambda m, t: check_sglang_eval(eval_config(methods=["ar", "oracle"])),

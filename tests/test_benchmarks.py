@@ -49,6 +49,10 @@ def test_verify_cost_benchmark_runs(smoke_outputs):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows == ["forward", "decode (eager)", "decode (compiled)", "verify 2", "verify 5"]
+    done = run_script("benchmarks/verify_cost.py", smoke_outputs, "+experiment=smoke", "--sizes", "2", "--context", "16",
+                      "--repeats", "1", "eval.compile=false", "--both-linears")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| verify 2 [prepacked] |" in done.stdout and "| verify 2 [F.linear] |" in done.stdout
 
 
 def test_train_precision_benchmark_runs():

@@ -44,6 +44,7 @@ from weaver.generate import generate
 from weaver.io import writable_dir
 from weaver.models.compile import inductor_mode
 from weaver.models.config import check_context, is_count
+from weaver.models.linear import use_prepacked_weights
 
 Models = dict[str, Any]  # "target", whatever the selected methods need ("drafter", ...), "step_costs" (budget: auto)
 SHARES = (*(f"{phase}_share" for phase in PHASES), "other_share")  # the time split of a speculative row
@@ -89,6 +90,7 @@ MODEL_LOADERS: dict[str, Callable[[DictConfig, Models], Any]] = {
 
 def load_models(cfg: DictConfig) -> tuple[Models, Any]:
     """The target, the extra models the selected methods need, and the tokenizer."""
+    use_prepacked_weights(cfg.eval.prepack)
     target, tokenizer = load_target_and_tokenizer(cfg)
     models: Models = {"target": target}
     needed = {name for method in cfg.eval.methods for name in method_spec(method).needs}
@@ -225,6 +227,8 @@ def check_names(cfg: DictConfig) -> None:
         raise WeaverError(f"eval.seed must be a whole number >= 0, got {cfg.eval.seed!r}")
     if cfg.eval.rrs_priority not in RRS_PRIORITIES:
         raise WeaverError(f"eval.rrs_priority must be one of {list(RRS_PRIORITIES)}, got {cfg.eval.rrs_priority!r}")
+    if not isinstance(cfg.eval.prepack, bool):
+        raise WeaverError(f"eval.prepack must be true or false, got {cfg.eval.prepack!r}")
     if "auto" in cfg.eval.budgets:
         check_candidates(list(cfg.eval.auto_budget.candidates))
     if cfg.eval.compile:

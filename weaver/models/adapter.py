@@ -38,6 +38,7 @@ from weaver.models.compile import Compile, compile_dynamic, inductor_mode
 from weaver.models.config import from_hf, is_count
 from weaver.models.drafter import DrafterLayer
 from weaver.models.layers import RMSNorm, rope_tables
+from weaver.models.linear import Linear
 
 if TYPE_CHECKING:  # the drafting side runs without the target's verification kernels
     from weaver.models.target import TargetModel
@@ -105,15 +106,15 @@ class WeaverAdapter(nn.Module):
         self.cfg = cfg
         body = from_hf(cfg.body())
         H, d = cfg.target_hidden_size, cfg.d_model
-        self.target_in = nn.Linear(H, d, bias=False)  # slot 0
+        self.target_in = Linear(H, d, bias=False)  # slot 0
         self.draft_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.draft_in = nn.Linear(H, d, bias=False)  # slots 1..D
+        self.draft_in = Linear(H, d, bias=False)  # slots 1..D
         self.token_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.token_in = nn.Linear(H, d, bias=False)  # nodes
+        self.token_in = Linear(H, d, bias=False)  # nodes
         self.layers = nn.ModuleList(DrafterLayer(body) for _ in range(cfg.num_layers))
         self.out_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.query = nn.Linear(d, cfg.rank, bias=False)  # Q
-        self.candidate = nn.Linear(H, cfg.rank, bias=False)  # P, applied to lm_head rows
+        self.query = Linear(d, cfg.rank, bias=False)  # Q
+        self.candidate = Linear(H, cfg.rank, bias=False)  # P, applied to lm_head rows
         self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
         self._table: tuple[TargetModel, torch.Tensor] | None = None  # (target, P lm_head), eval mode only
         self._compiled_scorer: dict[str, Callable[..., torch.Tensor]] = {}  # by inductor mode

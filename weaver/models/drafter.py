@@ -30,6 +30,7 @@ from weaver.errors import WeaverError
 from weaver.models.compile import Compile, compile_dynamic, inductor_mode
 from weaver.models.config import TargetConfig
 from weaver.models.layers import MLP, RMSNorm, apply_rope, rope_tables
+from weaver.models.linear import Linear, linear
 
 if TYPE_CHECKING:  # the drafting side runs without the target's verification kernels
     from weaver.models.target import TargetModel
@@ -82,9 +83,9 @@ class DrafterAttention(nn.Module):
         super().__init__()
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
-        self.q = nn.Linear(cfg.hidden_size, H * D, bias=cfg.attention_bias)
-        self.kv = nn.Linear(cfg.hidden_size, 2 * Hkv * D, bias=cfg.attention_bias)
-        self.o = nn.Linear(H * D, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q = Linear(cfg.hidden_size, H * D, bias=cfg.attention_bias)
+        self.kv = Linear(cfg.hidden_size, 2 * Hkv * D, bias=cfg.attention_bias)
+        self.o = Linear(H * D, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
@@ -131,7 +132,7 @@ class Drafter(nn.Module):
         super().__init__()
         body = cfg.body
         self.cfg = cfg
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * body.hidden_size, body.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * body.hidden_size, body.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(body.hidden_size, body.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(body) for _ in range(body.num_layers))
         self.norm = RMSNorm(body.hidden_size, body.rms_norm_eps)
@@ -170,7 +171,7 @@ class Drafter(nn.Module):
 
     def vocab_logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (..., V') over the draft vocabulary (the whole target vocabulary without one)."""
-        return F.linear(hidden, self.head(target))
+        return linear(hidden, self.head(target))
 
     def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (..., V) over the target's vocabulary: tokens outside the draft vocabulary get the lowest

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weaver.models.config import TargetConfig
+from weaver.models.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -60,8 +61,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class MLP(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)

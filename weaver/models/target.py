@@ -31,6 +31,7 @@ from weaver.models.compile import Compile, compile_dynamic, inductor_mode
 from weaver.models.config import TargetConfig
 from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_
 from weaver.models.layers import MLP, RMSNorm, apply_rope, rms_norm, rope_tables
+from weaver.models.linear import Linear
 from weaver.models.steps import GDNLayerPending, Pending, Step, TargetOutput
 from weaver.tree import Tree
 
@@ -49,8 +50,8 @@ class Attention(nn.Module):
         self.layer, self.cfg = layer, cfg
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_width = H * D * (2 if cfg.attn_output_gate else 1)
-        self.qkv = nn.Linear(cfg.hidden_size, self.q_width + 2 * Hkv * D, bias=cfg.attention_bias)
-        self.o = nn.Linear(H * D, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv = Linear(cfg.hidden_size, self.q_width + 2 * Hkv * D, bias=cfg.attention_bias)
+        self.o = Linear(H * D, cfg.hidden_size, bias=cfg.attention_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_offset)
@@ -119,12 +120,12 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         HV = cfg.linear_num_value_heads
         self.splits = [self.conv_dim, self.value_dim, HV, HV]  # [q k v | z | b | a]
-        self.in_proj = nn.Linear(cfg.hidden_size, sum(self.splits), bias=False)
+        self.in_proj = Linear(cfg.hidden_size, sum(self.splits), bias=False)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, cfg.linear_conv_kernel))
         self.A_log = nn.Parameter(torch.empty(HV).uniform_(0.01, 16).log())
         self.dt_bias = nn.Parameter(torch.ones(HV))
         self.norm_weight = nn.Parameter(torch.ones(cfg.linear_value_head_dim))
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
         nn.init.kaiming_uniform_(self.conv_weight, a=5**0.5)
 
     def conv(self, mixed: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +217,7 @@ class TargetModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", cfg.inv_freq.clone(), persistent=False)

@@ -1,0 +1,108 @@
+"""Prepacked linear layers (weaver.models.linear) against F.linear, their reference, over random shapes."""
+
+from __future__ import annotations
+
+import copy as copy_module
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from weaver.models import linear as linear_module
+from weaver.models.linear import Linear, linear, packed_copy, prepacked_weights
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN (mkldnn) not built in")
+
+@pytest.fixture(autouse=True)
+def _pack_every_weight(monkeypatch):
+    """Small test weights take the fast path too (in models only large ones do)."""
+    monkeypatch.setattr(linear_module, "PACK_MIN_ELEMENTS", 0)
+
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=1.6e-2, atol=5e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_prepacked_equals_f_linear_over_random_shapes(dtype):
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(12):
+        rows, k, n = (int(torch.randint(lo, hi, (1,), generator=generator)) for lo, hi in [(1, 70), (1, 300), (1, 600)])
+        lead = (rows,) if trial % 2 else (1, rows)  # 2-D and 3-D inputs
+        x = torch.randn(*lead, k, generator=generator).to(dtype)
+        weight = torch.randn(n, k, generator=generator).to(dtype)
+        bias = torch.randn(n, generator=generator).to(dtype) if trial % 3 else None
+        out = linear(x, weight, bias)
+        assert packed_copy(weight) is not None, "the fast path was not taken"
+        assert out.shape == (*lead, n) and out.dtype == dtype
+        torch.testing.assert_close(out, F.linear(x, weight, bias), **TOL[dtype])
+
+
+@torch.inference_mode()
+def test_compiled_equals_eager_and_uses_one_packed_copy():
+    layer = Linear(48, 96)
+    graph = torch.compile(layer, fullgraph=True, dynamic=True)
+    for rows in (1, 5, 17):
+        x = torch.randn(1, rows, 48)
+        torch.testing.assert_close(graph(x), F.linear(x, layer.weight, layer.bias), **TOL[torch.float32])
+        packed = packed_copy(layer.weight)
+        graph(x)
+        assert packed_copy(layer.weight) is packed  # packed once, not per call
+
+
+def test_a_written_weight_is_repacked():
+    layer, x = Linear(32, 64, bias=False), torch.randn(3, 32)
+    with torch.inference_mode():
+        linear(x, layer.weight)
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)  # in place: the version counter moves
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), **TOL[torch.float32])
+    layer.weight.data = torch.randn(64, 32)  # a swapped storage: no version change
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), **TOL[torch.float32])
+
+
+def test_a_model_with_packed_weights_still_pickles_and_deep_copies():
+    layer = Linear(16, 8)
+    with torch.inference_mode():
+        expected = layer(torch.ones(1, 16))
+    assert packed_copy(layer.weight) is not None
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    for copy in (torch.load(buffer, weights_only=False), copy_module.deepcopy(layer)):
+        with torch.inference_mode():
+            torch.testing.assert_close(copy(torch.ones(1, 16)), expected)
+
+
+def test_training_autocast_and_the_switch_take_f_linear():
+    layer, x = Linear(16, 8), torch.randn(4, 16)
+    out = layer(x)  # autograd on: the reference path, which has a backward
+    out.sum().backward()
+    torch.testing.assert_close(layer.weight.grad, torch.ones(4, 8).T @ x)
+    assert packed_copy(layer.weight) is None
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16  # autocast still casts
+    with torch.inference_mode(), prepacked_weights(False):
+        layer(x)
+    assert packed_copy(layer.weight) is None
+
+
+@torch.inference_mode()
+def test_only_large_weights_are_packed_by_default(monkeypatch):
+    monkeypatch.undo()
+    small, large = torch.randn(64, 64), torch.randn(1024, 512)
+    with torch.inference_mode():
+        linear(torch.randn(2, 64), small), linear(torch.randn(2, 512), large)
+    assert packed_copy(small) is None and packed_copy(large) is not None
+
+
+@torch.inference_mode()
+def test_a_target_gives_the_same_logits_with_and_without_prepacking(target):
+    ids = torch.randint(0, target.cfg.vocab_size, (2, 23))
+    with prepacked_weights(False):
+        reference = target(ids).logits
+    torch.testing.assert_close(target(ids).logits, reference, **TOL[torch.float32])
+    assert packed_copy(target.lm_head.weight) is not None
