@@ -5,7 +5,7 @@
     python benchmarks/gdn_tree_kernels.py --keys correlated   # real-checkpoint-like keys: the numerics check
     TRITON_INTERPRET=1 python benchmarks/gdn_tree_kernels.py --smoke   # CPU, interpreter, toy size (CI)
 
-Fused: `kernels.gdn_tree.gdn_tree_verify` (gates, q/k norm, path decay, ancestor-masked solve and outputs
+Fused: `weaver.kernels.gdn_tree.gdn_tree_verify` (gates, q/k norm, path decay, ancestor-masked solve and outputs
 in one kernel; the tree's ancestor bitmask is built, and the tree checked, once per step for all layers,
 so both are excluded).
 Per-branch: one recurrence step per node from its parent's state, keeping a state per node: fla's
@@ -28,9 +28,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.gdn_tree import gdn_tree_verify
-from kernels.gdn_tree.reference import gdn_gates
-from kernels.tree_mask import tree_ancestor_mask
+from weaver.kernels.gdn_tree import gdn_tree_verify
+from weaver.kernels.gdn_tree.reference import gdn_gates
+from weaver.kernels.tree_mask import tree_ancestor_mask
 from timing import print_table_header, timed
 from weaver.models.gdn import per_branch_tree_gated_delta_rule
 from weaver.tree import Tree

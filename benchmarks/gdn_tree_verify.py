@@ -5,7 +5,7 @@
 
 Both compute every node's output from the committed state without writing it. Per-branch takes one
 recurrence step per node from its parent's state and keeps a (HV, K, V) state for every node (what
-per-branch tree verification stores); the parallel form (kernels.gdn_tree.reference.tree_gated_delta_rule) keeps
+per-branch tree verification stores); the parallel form (weaver.kernels.gdn_tree.reference.tree_gated_delta_rule) keeps
 T x T matrices per head and the solved U (T x V per head), and commits with one rank-|path| update.
 Trees are random (each node's parent uniform among earlier nodes or the context). Medians of --repeats
 runs, both methods in the same process, interleaved. Extra memory is the size of what each method must
@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from kernels.gdn_tree.reference import gdn_gates, tree_gated_delta_rule
+from weaver.kernels.gdn_tree.reference import gdn_gates, tree_gated_delta_rule
 from timing import print_table_header, timed
 from weaver.models.gdn import per_branch_tree_gated_delta_rule
 from weaver.tree import Tree

@@ -25,12 +25,12 @@ from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
 ROOT = Path(__file__).resolve().parents[1]
 FACTORIES = {"arange", "zeros", "ones", "full", "empty", "tensor", "as_tensor", "rand", "randn", "randint", "eye",
              "linspace", "scalar_tensor"}
-# Host-side on purpose: tree and leaf validation run on the host (kernels/dispatch.py; the kernels move the
+# Host-side on purpose: tree and leaf validation run on the host (weaver/kernels/dispatch.py; the kernels move the
 # leaves to the state's device); acceptance draws its uniform with the caller's (CPU) generator. fp32 on purpose: GDN
 # recurrent states (fla keeps them in fp32), sampling probabilities and the tree search's (and the direct chain
 # and DDTree builders') scores, priorities and Gumbel noise (drawn with the caller's generator, on its device,
 # then moved).
-HOST_SIDE = {("kernels/dispatch.py", "check_trees"), ("kernels/dispatch.py", "check_leaves"),
+HOST_SIDE = {("weaver/kernels/dispatch.py", "check_trees"), ("weaver/kernels/dispatch.py", "check_leaves"),
              ("weaver/acceptance.py", "recursive_rejection_tree")}
 FP32_ON_PURPOSE = {("weaver/models/cache.py", "empty"), ("weaver/acceptance.py", "recursive_rejection_tree"),
                    ("weaver/search.py", "start"), ("weaver/search.py", "__init__"), ("weaver/search.py", "ranked_children"),

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from kernels.gdn_tree.reference import gdn_gates, solve_unit_lower
+from weaver.kernels.gdn_tree.reference import gdn_gates, solve_unit_lower
 from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_, recurrent_gated_delta_rule, torch_chunk_gated_delta_rule
 
 

@@ -21,9 +21,9 @@ import importlib.util  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify  # noqa: E402
-from kernels.gdn_tree.kernel import VERIFY_CONFIGS, _gdn_tree_verify_kernel  # noqa: E402
-from kernels.gdn_tree.reference import gdn_gates  # noqa: E402
+from weaver.kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify  # noqa: E402
+from weaver.kernels.gdn_tree.kernel import VERIFY_CONFIGS, _gdn_tree_verify_kernel  # noqa: E402
+from weaver.kernels.gdn_tree.reference import gdn_gates  # noqa: E402
 from weaver.models.gdn import call_fla_gated_delta_rule, chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels (kernels/) against the pure-torch references, on CPU under the Triton interpreter.
+"""Triton kernels (weaver/kernels/) against the pure-torch references, on CPU under the Triton interpreter.
 
 Every kernel sees random trees and the degenerate ones (single node, chain of 128, star of 128), in
 batches of trees at offsets with shuffled state-pool slots, grouped value heads and both state layouts;
@@ -24,12 +24,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.dispatch import KernelError, TreeInputError, use_triton  # noqa: E402
-from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify  # noqa: E402
-from kernels.tree_attention import tree_attention  # noqa: E402
-from kernels.tree_conv import conv_windows, tree_conv1d, tree_conv_commit_  # noqa: E402
-from kernels.tree_mask import tree_ancestor_mask, tree_ancestor_mask_ref  # noqa: E402
-from kernels.gdn_tree.reference import gdn_gates  # noqa: E402
+from weaver.kernels.dispatch import KernelError, TreeInputError, use_triton  # noqa: E402
+from weaver.kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify  # noqa: E402
+from weaver.kernels.tree_attention import tree_attention  # noqa: E402
+from weaver.kernels.tree_conv import conv_windows, tree_conv1d, tree_conv_commit_  # noqa: E402
+from weaver.kernels.tree_mask import tree_ancestor_mask, tree_ancestor_mask_ref  # noqa: E402
+from weaver.kernels.gdn_tree.reference import gdn_gates  # noqa: E402
 from weaver.models.gdn import per_branch_tree_gated_delta_rule  # noqa: E402
 from weaver.tree import Tree  # noqa: E402
 
@@ -86,10 +86,17 @@ def test_dispatch_modes(monkeypatch):
         use_triton(x)
 
 
-def test_hf_kernels_package_is_not_confused_with_ours():
-    from transformers.utils.import_utils import is_kernels_available
-
-    assert not is_kernels_available()
+def test_the_name_kernels_is_left_to_hugging_face():
+    """transformers >= 5.25 imports Hugging Face's `kernels` package at import time: from the repository root
+    (first on sys.path for `python train.py`) that name must not find a folder of ours."""
+    code = """
+import importlib.util, pathlib, sys
+spec = importlib.util.find_spec("kernels")
+assert spec is None or not pathlib.Path(spec.origin or "/").is_relative_to(pathlib.Path.cwd()), spec
+import transformers.activations  # imports `kernels` when transformers finds it installed
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- ancestor mask
@@ -445,16 +452,15 @@ def test_benchmark_smoke_runs():
 
 
 def test_the_kernels_stand_alone_without_weaver():
-    """kernels/ depends on nothing of weaver (weaver depends on it, never the reverse): every op imports and
-    runs on plain tensors in a process where `weaver` cannot be imported."""
+    """weaver/kernels/ depends on nothing else of weaver (weaver depends on it, never the reverse): every op
+    imports and runs on plain tensors, and no weaver module outside weaver.kernels is loaded."""
     code = """
 import sys
-sys.modules["weaver"] = None
 import torch
-from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
-from kernels.tree_attention import tree_attention
-from kernels.tree_conv import tree_conv1d, tree_conv_commit_
-from kernels.tree_mask import tree_ancestor_mask
+from weaver.kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
+from weaver.kernels.tree_attention import tree_attention
+from weaver.kernels.tree_conv import tree_conv1d, tree_conv_commit_
+from weaver.kernels.tree_mask import tree_ancestor_mask
 parents = torch.tensor([-1, 0, 0, 1])
 o, pending = gdn_tree_verify(torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8), torch.randn(1, 4, 2, 8),
                              torch.randn(1, 4, 2), torch.randn(1, 4, 2), torch.zeros(2), torch.zeros(2),
@@ -464,6 +470,8 @@ out, conv = tree_conv1d(torch.randn(1, 4, 6), torch.randn(6, 4), torch.zeros(1, 
 tree_conv_commit_(torch.zeros(1, 6, 3), conv, 2)
 tree_attention(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8), parents)
 tree_ancestor_mask(parents.int(), torch.tensor([0, 4], dtype=torch.int32))
+others = [m for m in sys.modules if m.startswith("weaver.") and not m.startswith("weaver.kernels")]
+assert not others, others
 """
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "WEAVER_KERNELS": "torch"})

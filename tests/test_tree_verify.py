@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hf_tiny import VOCAB
-from kernels.dispatch import TreeInputError
-from kernels.gdn_tree.reference import commit_path, gdn_gates, tree_gated_delta_rule
+from weaver.kernels.dispatch import TreeInputError
+from weaver.kernels.gdn_tree.reference import commit_path, gdn_gates, tree_gated_delta_rule
 from weaver.models.gdn import per_branch_tree_gated_delta_rule, recurrent_gated_delta_rule
 from weaver.models.target import verify_size
 from weaver.tree import Tree

@@ -9,7 +9,7 @@ from typing import TypeVar
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from kernels.dispatch import KernelError
+from weaver.kernels.dispatch import KernelError
 from weaver.errors import WeaverError
 
 T = TypeVar("T")

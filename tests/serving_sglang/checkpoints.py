@@ -1,6 +1,6 @@
 """Checkpoints for the tests in this folder, written by weaver in the main environment (tests/test_serving.py:
-weaver's model code imports our `kernels/`, which Hugging Face's `kernels` package, an SGLang dependency,
-shadows in .venv-sglang) and handed over in environment variables; and the requests both environments run."""
+the reference runs of our own engine need weaver's environment) and handed over in environment variables; and
+the requests both environments run."""
 
 import os
 from pathlib import Path

@@ -11,7 +11,7 @@ chunk so prefill and training are a handful of matmuls per chunk instead of one 
 `chunk_gated_delta_rule` hands the same job to fla's chunk kernel). Every solve is a forward
 substitution (`solve_unit_lower`), never an explicitly formed inverse: see its docstring for the bound.
 The same system on a draft tree, and the rollback-free commit, are the kernels' torch reference
-(`kernels/gdn_tree/reference.py`), which this module shares its pieces with.
+(`weaver/kernels/gdn_tree/reference.py`), which this module shares its pieces with.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import use_triton
-from kernels.gdn_tree.reference import l2norm, normalized_heads, solve_unit_lower
+from weaver.kernels.dispatch import use_triton
+from weaver.kernels.gdn_tree.reference import l2norm, normalized_heads, solve_unit_lower
 
 
 def recurrent_gated_delta_rule(

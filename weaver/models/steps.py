@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.gdn_tree import GDNTreePending
-from kernels.tree_conv import TreeConvPending
+from weaver.kernels.gdn_tree import GDNTreePending
+from weaver.kernels.tree_conv import TreeConvPending
 from weaver.tree import Tree
 
 

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.dispatch import TreeInputError, use_triton
-from kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
-from kernels.gdn_tree.reference import gdn_gates
-from kernels.tree_attention import tree_attention
-from kernels.tree_conv import conv_windows, tree_conv1d, tree_conv_commit_
+from weaver.kernels.dispatch import TreeInputError, use_triton
+from weaver.kernels.gdn_tree import gdn_tree_commit_, gdn_tree_verify
+from weaver.kernels.gdn_tree.reference import gdn_gates
+from weaver.kernels.tree_attention import tree_attention
+from weaver.kernels.tree_conv import conv_windows, tree_conv1d, tree_conv_commit_
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
 from weaver.models.compile import Compile, compile_dynamic, inductor_mode
@@ -132,7 +132,7 @@ class GatedDeltaNet(nn.Module):
         """Depthwise causal conv + SiLU over (B, T, C), continuing from the last kernel-1 inputs `state`.
 
         Returns the outputs and the buffer cat(state, inputs) (B, C, K-1+T). Trees go through
-        `kernels.tree_conv.tree_conv1d` instead.
+        `weaver.kernels.tree_conv.tree_conv1d` instead.
         """
         B, T, C = mixed.shape
         K = self.conv_weight.shape[1]
@@ -278,7 +278,7 @@ class TargetModel(nn.Module):
         cache.reserve(len(padded))
         positions = cache.next_position[:, None] + padded.depth[None]
         cos, sin = self.rope(positions)
-        # attention layers mask by the tree themselves (`kernels.tree_attention`): valid context + ancestors;
+        # attention layers mask by the tree themselves (`weaver.kernels.tree_attention`): valid context + ancestors;
         # the torch ops read the ancestors and conv windows built here, once for every layer
         conv_index = conv_windows(padded, self.cfg.linear_conv_kernel) if self.cfg.is_hybrid and torch_ops else None
         step = Step(positions, cos, sin, start, tree=padded, ancestors=padded.ancestors if torch_ops else None,

@@ -5,43 +5,19 @@ SGLang verifies a draft tree in its GDN layers only when `speculative_eagle_topk
 nodes as a chain in index order), by storing every node's conv window and recurrent state in scratch buffers
 and copying the accepted node's into the request's pool slot afterwards. Our worker runs as topk 1 and brings
 its own trees, so for its TARGET_VERIFY forward the GDN backend's `forward_extend` is replaced: the short conv
-runs through `kernels.tree_conv` and the recurrence through `kernels.gdn_tree`, each node continuing its own
+runs through `weaver.kernels.tree_conv` and the recurrence through `weaver.kernels.gdn_tree`, each node continuing its own
 root-to-node path from the committed state read from the pool slot (SGLang's V-first "vk" layout), with nothing
 written; the commit then writes the accepted leaf's conv window and state into each request's slot
 (`gdn_tree_commit_`: S_leaf from the path's keys and values, no per-node states kept). Every other forward
 (prefill, decode) stays SGLang's.
-
-In SGLang's environment the import name `kernels` is Hugging Face's package (an SGLang dependency), so our
-`kernels/` folder is loaded under the name `weaver_kernels` (its modules import each other relatively).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
 from weaver.errors import WeaverError
-
-KERNELS_ALIAS = "weaver_kernels"
-
-
-def our_kernels(name: str) -> ModuleType:
-    """Our `kernels.<name>` op package, loaded from the repository's folder whatever owns the name `kernels`."""
-    if KERNELS_ALIAS not in sys.modules:
-        folder = Path(__file__).resolve().parents[3] / "kernels"
-        spec = importlib.util.spec_from_file_location(KERNELS_ALIAS, folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
-        if spec is None or not (folder / "__init__.py").is_file():
-            raise WeaverError(f"weaver's kernels/ folder is missing at {folder}: install weaver from its repository")
-        package = importlib.util.module_from_spec(spec)
-        sys.modules[KERNELS_ALIAS] = package
-        spec.loader.exec_module(package)
-    return importlib.import_module(f"{KERNELS_ALIAS}.{name}")
+from weaver.kernels import dispatch, gdn_tree, tree_conv, tree_mask
 
 
 def tree_verify_class(base: type) -> type:
@@ -69,7 +45,6 @@ def verify_gdn_layer(backend, layer, mixed_qkv: torch.Tensor, a: torch.Tensor, b
     """One GDN layer over the batch's trees: (1, N, HV, V) in the inputs' dtype, as SGLang's verify returns it.
 
     mixed_qkv (N, 2 H K + HV V) before the conv, channels q | k | v; a, b (N, HV) raw gate projections."""
-    tree_conv, gdn_tree = our_kernels("tree_conv"), our_kernels("gdn_tree")
     if layer.bias is not None:
         raise WeaverError("GDN layers with a conv bias are not supported by the tree verify")
     metadata = backend.forward_metadata
@@ -80,8 +55,8 @@ def verify_gdn_layer(backend, layer, mixed_qkv: torch.Tensor, a: torch.Tensor, b
                                             cu_seqlens=cu_seqlens, state_indices=slots)
     q, k, v = x[0].split([layer.q_dim, layer.k_dim, layer.v_dim], dim=-1)
     N = q.shape[0]
-    if backend.tree_mask is None and our_kernels("dispatch").use_triton(v):
-        backend.tree_mask = our_kernels("tree_mask").tree_ancestor_mask(backend.tree_parents, cu_seqlens)
+    if backend.tree_mask is None and dispatch.use_triton(v):
+        backend.tree_mask = tree_mask.tree_ancestor_mask(backend.tree_parents, cu_seqlens)
     o, gdn_pending = gdn_tree.gdn_tree_verify(
         q.view(1, N, layer.num_q_heads, -1), k.view(1, N, layer.num_k_heads, -1), v.reshape(1, N, layer.num_v_heads, -1),
         a[None], b[None], layer.A_log, layer.dt_bias, cache.temporal, backend.tree_parents, cu_seqlens=cu_seqlens,
@@ -119,7 +94,6 @@ def begin_verify(backend, parents: torch.Tensor) -> None:
 
 def commit_gdn_states(backend, leaves: torch.Tensor) -> None:
     """Write each request's accepted path (node-local leaf per request) into its conv and recurrent slots."""
-    tree_conv, gdn_tree = our_kernels("tree_conv"), our_kernels("gdn_tree")
     for layer_id, (conv_pending, gdn_pending) in backend.pending.items():
         cache = backend.req_to_token_pool.mamba2_layer_cache(layer_id)
         tree_conv.tree_conv_commit_(cache.conv[0], conv_pending, leaves)

@@ -27,7 +27,7 @@ def _tree_mask_kernel(parents, cu_seqlens, mask, NW: tl.constexpr, BT: tl.conste
 
 
 def tree_ancestor_mask_triton(parents: torch.Tensor, cu_seqlens: torch.Tensor, T_max: int) -> torch.Tensor:
-    """Trees checked by `kernels.dispatch.check_trees` (a cyclic parent pointer would never end the walk);
+    """Trees checked by `weaver.kernels.dispatch.check_trees` (a cyclic parent pointer would never end the walk);
     T_max: the largest tree's node count."""
     NW, BT = triton.cdiv(T_max, 32), 32
     mask = torch.empty(parents.shape[0], NW, dtype=torch.int32, device=parents.device)

@@ -77,7 +77,7 @@ def tree_conv1d_triton(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor,
     parents: torch.Tensor, cu_seqlens: torch.Tensor, T_max: int,
 ) -> torch.Tensor:
-    """Trees checked by `kernels.dispatch.check_trees`; T_max: the largest tree's node count."""
+    """Trees checked by `weaver.kernels.dispatch.check_trees`; T_max: the largest tree's node count."""
     N, C = x.shape
     W = weight.shape[1]
     out = torch.empty_like(x)

@@ -1,6 +1,6 @@
 """GDN tree verification (fused) and rollback-free commit: one API, Triton or torch behind it.
 
-Model code calls `gdn_tree_verify` then `gdn_tree_commit_`; `kernels.dispatch.use_triton` picks the
+Model code calls `gdn_tree_verify` then `gdn_tree_commit_`; `weaver.kernels.dispatch.use_triton` picks the
 backend at verify time and the pending object carries the choice to the commit.
 """
 
@@ -48,7 +48,7 @@ def gdn_tree_verify(
     projections: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b); A_log, dt_bias (HV,).
     `state` is a pool (slots, HV, K, V) for state_layout "kv" (fla) or (slots, HV, V, K) for "vk"
     (SGLang); tree n reads slot state_indices[n] (default n). `parents` (T,) node-local, -1 for children
-    of the context, shared by the B rows (or a tree object, `kernels.dispatch.ParentTree`, whose cached
+    of the context, shared by the B rows (or a tree object, `weaver.kernels.dispatch.ParentTree`, whose cached
     ancestors the torch path reuses);
     or a batch of trees: B = 1, parents (N,), `cu_seqlens` offsets. `mask`: the trees' ancestor bitmask
     for the Triton path if already built (it is shared by all layers and heads).
@@ -57,7 +57,7 @@ def gdn_tree_verify(
     `ancestors`: the (T, T) ancestors-or-self matrix of the tree object given as `parents`: the torch path then
     does no host work (a compiled verify pass traces it).
     Returns o (B, T, HV, V) fp32 and the pending commit data. Trees not in topological order, empty ones
-    and mismatched lengths raise `kernels.dispatch.TreeInputError` before anything runs.
+    and mismatched lengths raise `weaver.kernels.dispatch.TreeInputError` before anything runs.
     """
     B, T, H, K = k.shape
     HV = v.shape[2]
@@ -111,7 +111,7 @@ def gdn_tree_commit_(state: torch.Tensor, pending: GDNTreePending, leaf: int | l
     """Write S_leaf = a_leaf S0 + sum_{j on path} D_leaf,j k_j u_j^T into each tree's slot, in place.
 
     `leaf`: the accepted path's last node, node-local, one per tree (an int for a single tree); out of
-    range raises `kernels.dispatch.TreeInputError`.
+    range raises `weaver.kernels.dispatch.TreeInputError`.
     """
     leaves = check_leaves(leaf, pending.lengths)
     if pending.reference is not None:

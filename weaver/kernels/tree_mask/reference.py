@@ -1,4 +1,4 @@
-"""Ancestor bitmask in torch, from `kernels.dispatch.ParentTree.ancestors`."""
+"""Ancestor bitmask in torch, from `weaver.kernels.dispatch.ParentTree.ancestors`."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def tree_conv1d(
 ) -> tuple[torch.Tensor, TreeConvPending]:
     """SiLU(depthwise causal conv) of every node along its own ancestors. x (B, T, C), weight (C, W),
     state a pool (slots, C, W-1) of committed last inputs, tree n reading slot state_indices[n] (default
-    n); parents / cu_seqlens as in `kernels.gdn_tree.gdn_tree_verify`. `conv_index`: `conv_windows(tree, W)`
+    n); parents / cu_seqlens as in `weaver.kernels.gdn_tree.gdn_tree_verify`. `conv_index`: `conv_windows(tree, W)`
     of the tree object given as `parents`: the torch path then does no host work (a compiled
     verify pass traces it). Returns out (B, T, C) in x's dtype."""
     B, T, C = x.shape

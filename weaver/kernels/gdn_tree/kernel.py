@@ -5,7 +5,7 @@ every ancestor of a chunk's node lies in that chunk or an earlier one):
   1. path log-decay G_i = sum of g over ancestors-or-self, from the ancestor bitmask (a masked row sum);
   2. per chunk i: R_i = beta (v - a K_i S0) - sum_{j<i} X_ij U_j, then U_i = (I + X_ii)^-1 R_i by
      forward substitution over 16-row blocks inverted row by row (as fla's `solve_tril`): blocked
-     forward substitution over the whole tree, stable for every BC (the bound: kernels/README.md,
+     forward substitution over the whole tree, stable for every BC (the bound: weaver/kernels/README.md,
      Numerics; an explicit power-series inverse would cancel catastrophically);
   3. O_i = a Q_i S0 + sum_{j<=i} Y_ij U_j.
 Gates (g from A_log/a/dt_bias, beta from b) and the q/k L2 norm are computed here from the raw

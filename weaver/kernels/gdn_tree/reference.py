@@ -1,5 +1,5 @@
 """GDN tree verification in pure torch: the maths every backend is checked against (docs/method.md §2.6),
-and the torch path of `kernels.gdn_tree`, applied tree by tree.
+and the torch path of `weaver.kernels.gdn_tree`, applied tree by tree.
 
 Head recurrence, state S of shape (d_k, d_v), q and k L2-normalised:
     S_t = a_t S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - a_t S_{t-1}^T k_t),   o_t = S_t^T q_t

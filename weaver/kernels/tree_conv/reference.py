@@ -1,6 +1,6 @@
 """Tree causal conv1d in pure torch (the GDN mixer's short conv on a draft tree): each node's window is its
 nearest W-1 ancestors then itself, falling back to the committed conv state past the root; the torch path
-of `kernels.tree_conv`, applied tree by tree."""
+of `weaver.kernels.tree_conv`, applied tree by tree."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ _WINDOWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def conv_windows(tree, kernel: int) -> torch.Tensor:
     """(T, kernel) indices into cat(committed conv state (kernel-1 inputs), node inputs (T)) for a tree object
-    with `.parents` (T,) and `.ancestors` (T, T) (weaver's `Tree`, or `kernels.dispatch.ParentTree`).
+    with `.parents` (T,) and `.ancestors` (T, T) (weaver's `Tree`, or `weaver.kernels.dispatch.ParentTree`).
 
     Row i is node i's causal-conv window: its nearest kernel-1 ancestors (oldest first) then itself,
     falling back to the committed conv state past the root. Computed once per tree and kernel size."""

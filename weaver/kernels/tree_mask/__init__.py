@@ -12,7 +12,7 @@ def tree_ancestor_mask(parents: torch.Tensor, cu_seqlens: torch.Tensor | None = 
     """(N, ceil(max T / 32)) int32 bit-packed ancestors-or-self rows; see `tree_ancestor_mask_ref`.
 
     `parents` (N,) are node-local (-1: child of the committed context); trees at `cu_seqlens` offsets
-    (one tree when None). Bad trees raise `kernels.dispatch.TreeInputError` (see `check_trees`).
+    (one tree when None). Bad trees raise `weaver.kernels.dispatch.TreeInputError` (see `check_trees`).
     """
     parents, cu_seqlens, lengths = flatten_trees(1, parents.numel(), parents, cu_seqlens)
     if use_triton(parents):
