@@ -454,9 +454,10 @@ def test_distillation_loss_over_a_draft_vocabulary(target, read):
         out = target(ids, tap_layers=drafter.cfg.target_layer_ids, logits_to_keep=0)
         hidden = draft_blocks(drafter, target, ids, anchors, out.taps)
         head = target.lm_head.weight[drafter.draft_vocab]
-        total, weights, hits, counted = 0.0, 0.0, 0, 0
+        total, weights, hits, counted, chains = 0.0, 0.0, 0, 0, []
         for n in range(2):
             for m in range(2):
+                leading = 0 if int(anchors[n, m]) + 1 < int(lengths[n]) and not is_read[n] else None
                 for d in range(1, 4):
                     pos = int(anchors[n, m]) + d
                     if pos >= int(lengths[n]):
@@ -465,6 +466,8 @@ def test_distillation_loss_over_a_draft_vocabulary(target, read):
                     logp = (hidden[n, m, d - 1] @ head.T).log_softmax(-1)
                     counted += scored
                     hits += scored and int(drafter.draft_vocab[logp.argmax()]) == label
+                    if leading == d - 1 and int(drafter.draft_vocab[logp.argmax()]) == label:
+                        leading = d  # the chain accepts every position up to here
                     teacher = (out.hidden[n, pos - 1] @ head.T).log_softmax(-1)
                     kl = (teacher.exp() * (teacher - logp)).sum()
                     w = torch.exp(torch.tensor(-(d - 1) / gamma))
@@ -475,5 +478,46 @@ def test_distillation_loss_over_a_draft_vocabulary(target, read):
                         continue
                     ce = -logp[drafter.draft_vocab.tolist().index(label)]
                     total, weights = total + w * ((1 - kl_weight) * ce + kl_weight * kl), weights + w
+                if leading is not None:
+                    chains.append(1 + leading)
     torch.testing.assert_close(loss, total / weights, rtol=1e-4, atol=1e-5)
     assert logs["acc_d1"] == pytest.approx(hits / counted)
+    assert logs["tau_chain"] == pytest.approx(sum(chains) / len(chains))
+
+
+def test_heldout_rollouts_are_not_trained_on_and_report_top1_and_chain_length(smoke_outputs, tmp_path, monkeypatch):
+    """drafter.train.heldout_rollouts=8: training sees the other 40 of the smoke run's 48 rollouts, and the summary
+    carries top-1 and the greedy chain's acceptance length on the 8 held out; a count the rollouts cannot hold
+    is refused before training."""
+    import datasets
+    from hydra import compose, initialize_config_dir
+
+    import weaver.train.drafter as drafter_stage
+    from weaver.artifacts import load_target_and_tokenizer
+    from weaver.pipeline import ROOT_CONF, artifact_dir
+
+    def config(*overrides):
+        with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+            return compose("train", overrides=["+experiment=smoke", f"paths.root={smoke_outputs}", "wandb.enabled=false",
+                                               "drafter.train.steps=6", "drafter.train.eval_every=3", *overrides])
+
+    seen = []  # (training?, the batch's sequences)
+    real_loss = drafter_stage.distillation_loss
+
+    def recording_loss(drafter, target, ids, lengths, *args, **kwargs):
+        seen.append((torch.is_grad_enabled(), {tuple(row[:n].tolist()) for row, n in zip(ids, lengths)}))
+        return real_loss(drafter, target, ids, lengths, *args, **kwargs)
+
+    monkeypatch.setattr(drafter_stage, "distillation_loss", recording_loss)
+    cfg = config("drafter.train.heldout_rollouts=8")
+    target, tokenizer = load_target_and_tokenizer(cfg)
+    summary = drafter_stage.train_drafter(cfg, target, tokenizer, artifact_dir(cfg, "rollouts"), tmp_path / "a",
+                                          tmp_path / "a.work")
+    assert 0 <= summary["heldout_acc_d1"] <= 1 and 1 <= summary["heldout_tau_chain"] <= cfg.drafter.block_size
+    rollouts = datasets.load_from_disk(str(artifact_dir(cfg, "rollouts") / "dataset"))
+    held = {tuple(r["prompt_ids"] + r["response_ids"]) for r in rollouts.select(range(40, 48))}
+    assert [training for training, _ in seen] == [True] * 3 + [False] + [True] * 3 + [False]  # evaluated at 3 and 6
+    assert all(not rows & held if training else rows == held for training, rows in seen)
+    with pytest.raises(WeaverError, match="drafter.train.heldout_rollouts must be a whole number from 0 to 47"):
+        drafter_stage.train_drafter(config("drafter.train.heldout_rollouts=48"), target, tokenizer,
+                                    artifact_dir(cfg, "rollouts"), tmp_path / "b", tmp_path / "b.work")

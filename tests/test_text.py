@@ -78,5 +78,8 @@ def test_read_text_is_stored_with_the_targets_states_and_follows_the_rollouts(ta
     assert torch.equal(states[1], StoredStates(tmp_path / "states", taps)[1])
     assert torch.equal(states[3 + 4], text_states[4])
     assert states.batch([0, 6], 14).shape[:2] == (2, 14)
+    rows, states = with_read_text(rollouts.select(range(2)), StoredStates(tmp_path / "states", taps), tmp_path / "text", taps)
+    assert rows["prompt_index"] == [0, 1, 3, 4, 5, 6, 7]  # a held-out rollout left out: the text still follows all three
+    assert torch.equal(states[3], text_states[0])
     with pytest.raises(WeaverError, match="rollouts.store_states: true"):
         with_read_text(rollouts, None, tmp_path / "text", taps)

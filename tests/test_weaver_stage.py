@@ -15,7 +15,7 @@ from weaver.errors import WeaverError
 from weaver.models.adapter import WeaverAdapter, load_adapter
 from weaver.artifacts import load_drafter_for, load_target_and_tokenizer
 from weaver.pipeline import ROOT_CONF, artifact_dir
-from weaver.train.common import Checkpoints
+from weaver.train.common import Checkpoints, split_heldout
 from weaver.train.drafter import anchored_batches
 
 
@@ -130,5 +130,5 @@ def test_heldout_rollouts_are_not_trained_on_and_report_sampling_metrics(smoke_o
     with pytest.raises(WeaverError, match="heldout_rollouts must be a whole number from 0 to 47"):
         train(smoke_config(smoke_outputs, "weaver.train.heldout_rollouts=48"), tmp_path / "b", tmp_path / "b.work")
     rows = datasets.Dataset.from_dict({"prompt_index": list(range(48))})
-    trained, heldout = adapter_stage.split_heldout(rows, 8)
+    trained, heldout = split_heldout(rows, 8, "weaver.train.heldout_rollouts")
     assert trained["prompt_index"] == list(range(40)) and heldout["prompt_index"] == list(range(40, 48))

@@ -19,13 +19,12 @@ import torch
 from omegaconf import DictConfig
 
 from weaver.data.states import StoredStates
-from weaver.errors import WeaverError
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, save_adapter
 from weaver.models.checkpoint import check_tokenizer, check_tokenizer_fingerprint, tokenizer_fingerprint
 from weaver.models.drafter import Drafter
 from weaver.models.layers import init_weights
 from weaver.models.target import TargetModel
-from weaver.train.common import fit, make_accelerator, write_artifact
+from weaver.train.common import fit, heldout_metrics, make_accelerator, split_heldout, write_artifact
 from weaver.train.drafter import anchored_batches, draft_blocks, taps_and_hidden
 
 
@@ -100,30 +99,6 @@ def adapter_loss(
     }
 
 
-def split_heldout(rows: datasets.Dataset, n: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """(rows to train on, the last n rollouts held out, or None when n is 0)."""
-    if not isinstance(n, int) or not 0 <= n < len(rows):
-        raise WeaverError(f"weaver.train.heldout_rollouts must be a whole number from 0 to {len(rows) - 1} "
-                          f"(the rollouts: {len(rows)}), got {n!r}")
-    if n == 0:
-        return rows, None
-    return rows.select(range(len(rows) - n)), rows.select(range(len(rows) - n, len(rows)))
-
-
-def heldout_metrics(rows: datasets.Dataset, collate, loss_fn, batch_size: int, device: torch.device):
-    """evaluate(adapter) -> the adapter's metrics on held-out rollouts (means over their batches, prefixed
-    `heldout_`): the quantities τ is made of (accept_d1, tau_rrs; acc for greedy) on data it never saw."""
-    batches = [collate([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
-               for start in range(0, len(rows), batch_size)]
-
-    @torch.no_grad()
-    def evaluate(adapter: WeaverAdapter) -> dict[str, float]:
-        logs = [loss_fn(adapter, tuple(x.to(device) if torch.is_tensor(x) else x for x in batch))[1] for batch in batches]
-        return {f"heldout_{k}": sum(log[k] for log in logs) / len(logs) for k in logs[0]}
-
-    return evaluate
-
-
 def optimizers(adapter: WeaverAdapter, train: DictConfig) -> list[torch.optim.Optimizer]:
     """Muon for the matrices, AdamW for norms (torch's own Muon, lr matched to AdamW's update RMS)."""
     matrices = [p for p in adapter.parameters() if p.dim() == 2]
@@ -151,7 +126,7 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
     target.requires_grad_(False)
     drafter.requires_grad_(False)
     rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
-    rows, heldout = split_heldout(rows, train.get("heldout_rollouts", 0))
+    rows, heldout = split_heldout(rows, train.get("heldout_rollouts", 0), "weaver.train.heldout_rollouts")
     accelerator = make_accelerator(cfg, f"{cfg.experiment}-weaver", train.precision)
     target.to(accelerator.device)
     drafter.to(accelerator.device)

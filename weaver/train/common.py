@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import datasets
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
@@ -23,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 from tqdm.auto import tqdm
 
+from weaver.errors import WeaverError
 from weaver.io import atomic_dir, atomic_write_json, durable_rename, fsync_tree, writable_dir
 from weaver.precision import resolve_device, training_precision
 from weaver.tracking import tracking_enabled, wandb_dir
@@ -146,6 +148,31 @@ def _batches(dataset: Dataset, batch_size: int, collate: Callable, seed: int, ep
     sampler = RandomSampler(dataset, generator=generator)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True)
 
+
+
+def split_heldout(rows: datasets.Dataset, n: int, setting: str) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """(rows to train on, the last n rollouts held out, or None when n is 0); `setting` names n in the error."""
+    if not isinstance(n, int) or not 0 <= n < len(rows):
+        raise WeaverError(f"{setting} must be a whole number from 0 to {len(rows) - 1} "
+                          f"(the rollouts: {len(rows)}), got {n!r}")
+    if n == 0:
+        return rows, None
+    return rows.select(range(len(rows) - n)), rows.select(range(len(rows) - n, len(rows)))
+
+
+def heldout_metrics(rows: datasets.Dataset, collate: Callable, loss_fn: LossFn, batch_size: int,
+                    device: torch.device) -> Callable[[torch.nn.Module], dict[str, float]]:
+    """evaluate(model) -> the loss function's metrics on held-out rollouts (means over their batches, prefixed
+    `heldout_`): what τ is made of (top-1 per depth, acceptance) on data the model never saw."""
+    batches = [collate([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
+               for start in range(0, len(rows), batch_size)]
+
+    @torch.no_grad()
+    def evaluate(model: torch.nn.Module) -> dict[str, float]:
+        logs = [loss_fn(model, tuple(x.to(device) if torch.is_tensor(x) else x for x in batch))[1] for batch in batches]
+        return {f"heldout_{k}": sum(log[k] for log in logs) / len(logs) for k in logs[0]}
+
+    return evaluate
 
 def fit(
     accelerator: Accelerator,

@@ -31,7 +31,7 @@ from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config, save_drafter
 from weaver.models.layers import init_weights
 from weaver.models.target import TargetModel
-from weaver.train.common import fit, make_accelerator, write_artifact
+from weaver.train.common import fit, heldout_metrics, make_accelerator, split_heldout, write_artifact
 
 
 def pad_sequences(rows: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,8 +131,13 @@ def distillation_loss(
     loss = loss / weight.sum().clamp(min=1e-6)
     predicted = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
     counted = valid & ~read[:, None, None]  # a read text's tokens are not the target's choices
-    accuracy = ((predicted == labels) & counted).float().sum(0).sum(0) / counted.float().sum(0).sum(0).clamp(min=1)
-    return loss, {"acc_d1": accuracy[0].item(), f"acc_d{B - 1}": accuracy[-1].item()}
+    correct = (predicted == labels) & counted
+    accuracy = correct.float().sum(0).sum(0) / counted.float().sum(0).sum(0).clamp(min=1)
+    # greedy chain acceptance: 1 + the leading correct positions of each written block (what a chain's τ averages)
+    written = counted[:, :, 0]
+    chain = 1 + correct.long().cumprod(-1).sum(-1)
+    tau_chain = (chain * written).sum() / written.sum().clamp(min=1)
+    return loss, {"acc_d1": accuracy[0].item(), f"acc_d{B - 1}": accuracy[-1].item(), "tau_chain": tau_chain.item()}
 
 
 def draft_index(draft_vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -168,14 +173,14 @@ def frequent_tokens(counts: list[torch.Tensor], n: int) -> torch.Tensor:
 
 def with_read_text(rows: datasets.Dataset, stored: StoredStates | None, text_dir: Path,
                    tap_layers: tuple[int, ...]) -> tuple[datasets.Dataset, ConcatStates]:
-    """The rollouts followed by the text the target read (`text` stage), indexed on from the last rollout, and
-    their stored states read as one."""
+    """The rollouts (all or some of those `stored` holds) followed by the text the target read (`text` stage),
+    indexed on from the last stored rollout, and their stored states read as one."""
     if stored is None:
         raise WeaverError("drafter.text needs stored rollout states (rollouts.store_states: true): read text is "
                           "only ever trained on from its stored states")
     # in memory: reading an artifact never writes cache files into it
     text = datasets.load_from_disk(str(text_dir / "dataset")).cast(rows.features, keep_in_memory=True)
-    text = text.map(lambda r: {"prompt_index": r["prompt_index"] + len(rows)}, keep_in_memory=True)
+    text = text.map(lambda r: {"prompt_index": r["prompt_index"] + len(stored)}, keep_in_memory=True)
     return datasets.concatenate_datasets([rows, text]), ConcatStates([stored, StoredStates(text_dir / "states", tap_layers)])
 
 
@@ -209,6 +214,7 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
     target.to(accelerator.device)
     stored = None if states_dir is None else StoredStates(states_dir, drafter.cfg.target_layer_ids)
     n_rollouts = len(rows)
+    rows, heldout = split_heldout(rows, train.get("heldout_rollouts", 0), "drafter.train.heldout_rollouts")
     if text_dir is not None:
         rows, stored = with_read_text(rows, stored, text_dir, drafter.cfg.target_layer_ids)
     collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed, stored)
@@ -222,10 +228,15 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=train.weight_decay)
     n_params = sum(p.numel() for p in drafter.parameters())
-    read = f" + {len(rows) - n_rollouts} read texts" if len(rows) > n_rollouts else ""
-    accelerator.print(f"drafter: {n_params / 1e6:.2f}M parameters, {n_rollouts} rollouts{read}, taps {drafter.cfg.target_layer_ids}")
+    n_trained = n_rollouts - (0 if heldout is None else len(heldout))
+    read = f" + {len(rows) - n_trained} read texts" if len(rows) > n_trained else ""
+    held = "" if heldout is None else f" ({len(heldout)} more held out)"
+    accelerator.print(f"drafter: {n_params / 1e6:.2f}M parameters, {n_trained} rollouts{held}{read}, "
+                      f"taps {drafter.cfg.target_layer_ids}")
+    evaluate = None if heldout is None else heldout_metrics(heldout, collate_with_source, loss_fn, train.batch_size,
+                                                            accelerator.device)
     metrics = fit(accelerator, drafter, optimizer, rows, collate_with_source, loss_fn, train, work_dir, cfg.seed,
-                  desc="drafter")
+                  evaluate=evaluate, desc="drafter")
     drafter = drafter.float().cpu().eval()
     summary = {"params": n_params, **metrics}
     write_artifact(accelerator, lambda out: save_drafter(drafter, hf_config, out), out_dir, summary,
