@@ -25,7 +25,8 @@ from weaver.data.states import StoredStates
 from weaver.models.adapter import with_pool
 from weaver.artifacts import load_adapter_for, load_drafter_for, load_target_and_tokenizer
 from weaver.pipeline import ROOT_CONF, artifact_dir
-from weaver.train.adapter import adapter_loss, heldout_metrics, split_heldout
+from weaver.train.adapter import adapter_loss
+from weaver.train.common import heldout_metrics, split_heldout
 from weaver.train.drafter import anchored_batches
 
 METRICS = ("pool_mass", "accept_d1_prior", "accept_d1", "tau_rrs_prior", "tau_rrs", "acc_prior", "acc")
@@ -49,7 +50,7 @@ def main() -> None:
     drafter = load_drafter_for(cfg, target)
     adapter = load_adapter_for(cfg, target, drafter)
     rows = datasets.load_from_disk(str(artifact_dir(cfg, "rollouts") / "dataset"))
-    heldout = split_heldout(rows, n)[1]
+    heldout = split_heldout(rows, n, "--heldout")[1]
     states = StoredStates(artifact_dir(cfg, "states"), drafter.cfg.target_layer_ids) if cfg.rollouts.store_states else None
     train = cfg.weaver.train
     collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed, states)

@@ -9,7 +9,8 @@ runs through `weaver.kernels.tree_conv` and the recurrence through `weaver.kerne
 root-to-node path from the committed state read from the pool slot (SGLang's V-first "vk" layout), with nothing
 written; the commit then writes the accepted leaf's conv window and state into each request's slot
 (`gdn_tree_commit_`: S_leaf from the path's keys and values, no per-node states kept). Every other forward
-(prefill, decode) stays SGLang's.
+(prefill, decode) stays SGLang's. The kernels are imported by the functions that run them, so that serving
+an attention-only target never loads them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from weaver.errors import WeaverError
-from weaver.kernels import dispatch, gdn_tree, tree_conv, tree_mask
 
 
 def tree_verify_class(base: type) -> type:
@@ -45,6 +45,8 @@ def verify_gdn_layer(backend, layer, mixed_qkv: torch.Tensor, a: torch.Tensor, b
     """One GDN layer over the batch's trees: (1, N, HV, V) in the inputs' dtype, as SGLang's verify returns it.
 
     mixed_qkv (N, 2 H K + HV V) before the conv, channels q | k | v; a, b (N, HV) raw gate projections."""
+    from weaver.kernels import dispatch, gdn_tree, tree_conv, tree_mask
+
     if layer.bias is not None:
         raise WeaverError("GDN layers with a conv bias are not supported by the tree verify")
     metadata = backend.forward_metadata
@@ -94,6 +96,8 @@ def begin_verify(backend, parents: torch.Tensor) -> None:
 
 def commit_gdn_states(backend, leaves: torch.Tensor) -> None:
     """Write each request's accepted path (node-local leaf per request) into its conv and recurrent slots."""
+    from weaver.kernels import gdn_tree, tree_conv
+
     for layer_id, (conv_pending, gdn_pending) in backend.pending.items():
         cache = backend.req_to_token_pool.mamba2_layer_cache(layer_id)
         tree_conv.tree_conv_commit_(cache.conv[0], conv_pending, leaves)
