@@ -149,7 +149,6 @@ def _batches(dataset: Dataset, batch_size: int, collate: Callable, seed: int, ep
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True)
 
 
-
 def split_heldout(rows: datasets.Dataset, n: int, setting: str) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """(rows to train on, the last n rollouts held out, or None when n is 0); `setting` names n in the error."""
     if not isinstance(n, int) or not 0 <= n < len(rows):
@@ -173,6 +172,7 @@ def heldout_metrics(rows: datasets.Dataset, collate: Callable, loss_fn: LossFn, 
         return {f"heldout_{k}": sum(log[k] for log in logs) / len(logs) for k in logs[0]}
 
     return evaluate
+
 
 def fit(
     accelerator: Accelerator,
