@@ -214,7 +214,8 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
     target.to(accelerator.device)
     stored = None if states_dir is None else StoredStates(states_dir, drafter.cfg.target_layer_ids)
     n_rollouts = len(rows)
-    rows, heldout = split_heldout(rows, train.get("heldout_rollouts", 0), "drafter.train.heldout_rollouts")
+    rows, heldout = split_heldout(rows, train.heldout_rollouts, "drafter.train.heldout_rollouts")
+    n_trained = len(rows)
     if text_dir is not None:
         rows, stored = with_read_text(rows, stored, text_dir, drafter.cfg.target_layer_ids)
     collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed, stored)
@@ -228,7 +229,6 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=train.weight_decay)
     n_params = sum(p.numel() for p in drafter.parameters())
-    n_trained = n_rollouts - (0 if heldout is None else len(heldout))
     read = f" + {len(rows) - n_trained} read texts" if len(rows) > n_trained else ""
     held = "" if heldout is None else f" ({len(heldout)} more held out)"
     accelerator.print(f"drafter: {n_params / 1e6:.2f}M parameters, {n_trained} rollouts{held}{read}, "
