@@ -84,17 +84,18 @@ def test_a_draft_vocabulary_drafter_trains_and_decodes_losslessly(smoke, tmp_pat
     assert all(r["greedy_match"] for r in rows if r["method"] != "ar")
 
 
-def test_a_drafter_reads_text_beside_its_rollouts(smoke, tmp_path):
+def test_a_drafter_and_adapter_read_text_beside_their_rollouts(smoke, tmp_path):
     """`drafter.text.sources` lets the target read corpus windows (stage `text`, stored states) and the drafter
-    trains on them beside the rollouts; its speculative decoding stays equal to AR decoding."""
+    (and, with `weaver.train.read_text`, the adapter) trains on them beside the rollouts; speculative decoding
+    stays equal to AR decoding."""
     shutil.copytree(smoke / "artifacts", tmp_path / "artifacts")
     text = ["rollouts.store_states=true", "drafter.text.sources=[python_stdlib]", "drafter.text.n_sequences=24",
-            "drafter.text.seq_len=48"]
+            "drafter.text.seq_len=48", "weaver.train.read_text=true"]
     done = run("train.py", tmp_path, "+experiment=smoke", *text)
     assert done.returncode == 0, done.stderr[-3000:]
     artifacts = json.loads((tmp_path / "smoke" / "artifacts.json").read_text())
     assert f"[text] building {artifacts['text']}" in done.stdout and "[rollouts] up to date" in done.stdout
-    assert "48 rollouts + 24 read texts" in done.stdout
+    assert "48 rollouts + 24 read texts" in done.stdout and "pool 16, 48 rollouts + 24 read texts" in done.stdout
     assert {p.name for p in Path(artifacts["text"]).iterdir()} == {"dataset", "states"}
     out_dir = tmp_path / "eval"
     done = run("eval.py", tmp_path, "+experiment=smoke", *text, f"eval.out_dir={out_dir}",
@@ -104,6 +105,8 @@ def test_a_drafter_reads_text_beside_its_rollouts(smoke, tmp_path):
     assert all(r["greedy_match"] for r in rows if r["method"] != "ar")
     refused = run("train.py", tmp_path, "+experiment=smoke", *text[1:], "stages=[drafter]")
     assert refused.returncode == 2 and "needs stored rollout states (rollouts.store_states: true)" in refused.stderr
+    refused = run("train.py", tmp_path, "+experiment=smoke", "weaver.train.read_text=true", "stages=[weaver]")
+    assert refused.returncode == 2 and "weaver.train.read_text needs the text the target read" in refused.stderr
 
 
 def test_eval_writes_result_rows(smoke_eval):

@@ -90,6 +90,32 @@ def test_adapter_gradients_reproduce_bit_for_bit(smoke_outputs):
             assert torch.equal(a, b), name
 
 
+def test_read_text_is_labelled_with_the_targets_greedy_tokens(smoke_outputs, monkeypatch):
+    """Rows flagged as read text: every chain node's label is the target's argmax there, not the text's next
+    token; the other rows keep their rollout's next token."""
+    cfg = smoke_config(smoke_outputs)
+    target, tokenizer = load_target_and_tokenizer(cfg)
+    drafter = load_drafter_for(cfg, target)
+    adapter = WeaverAdapter(adapter_stage.adapter_config(cfg.weaver, target, drafter))
+    rows = datasets.load_from_disk(str(artifact_dir(cfg, "rollouts") / "dataset"))
+    ids, lengths, anchors, _ = anchored_batches(tokenizer.pad_token_id or 0, 4, cfg.seed)([rows[i] for i in range(4)])
+    ids = torch.randint(3, target.cfg.vocab_size, ids.shape, generator=torch.Generator().manual_seed(0))  # not greedy text
+    seen = []
+    real = adapter_stage.pool_losses
+    monkeypatch.setattr(adapter_stage, "pool_losses", lambda *args: seen.append(args[3]) or real(*args))
+    read = torch.tensor([True, False, True, False])
+    adapter_stage.adapter_loss(adapter, drafter, target, ids, lengths, anchors, cfg.weaver.train.loss, read=read)
+    labels = seen[0].view(4, 4, -1)  # (rows, anchors, depth)
+    with torch.no_grad():
+        greedy = target(ids).logits.argmax(-1)
+    D = labels.shape[-1]
+    at = (anchors[:, :, None] + torch.arange(1, D + 1)).clamp(max=ids.shape[1] - 1)  # label positions
+    rows_ = torch.arange(4)[:, None, None]
+    assert torch.equal(labels[read], greedy[rows_, at - 1][read])
+    assert torch.equal(labels[~read], ids[rows_, at][~read])
+    assert not torch.equal(greedy[rows_, at - 1][read], ids[rows_, at][read])  # the flag made a difference
+
+
 def test_pool_acceptance_is_what_rejection_sampling_accepts():
     """`accept` = sum min(p, q) over the pool, p the target's whole distribution: the rate at which one draft
     drawn from q passes the accept test u < p(x) / q(x) (Monte Carlo over 200k draws)."""

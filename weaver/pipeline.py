@@ -161,7 +161,9 @@ def _run_weaver(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
 
     target, tokenizer = load_target_and_tokenizer(cfg)
     drafter = load_drafter_for(cfg, target)
-    train_adapter(cfg, target, drafter, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir, _states_dir(cfg))
+    text_dir = artifact_dir(cfg, "text") if _reads_text(cfg) else None
+    train_adapter(cfg, target, drafter, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir, _states_dir(cfg),
+                  text_dir)
 
 
 def _scratch(cfg: DictConfig) -> bool:
@@ -177,7 +179,7 @@ HASHED_ELSEWHERE = {"rollouts": ("store_states",)}
 
 # Settings added after artifacts were built, at the value that reproduces what was built before: at that
 # value they stay out of the key, so existing artifacts remain valid (any other value changes the key).
-ADDED_LATER = {"rollouts": {"samples_per_prompt": 1, "dtype": "model"}, "weaver.train": {"heldout_rollouts": 0},
+ADDED_LATER = {"rollouts": {"samples_per_prompt": 1, "dtype": "model"}, "weaver.train": {"heldout_rollouts": 0, "read_text": False},
                "drafter.train": {"heldout_rollouts": 0},
                "drafter": {"draft_vocab": None, "draft_vocab_corpus": ["python_stdlib"], "text": {}},
                "drafter.text": {"sources": [], "n_sequences": 1024, "seq_len": 192}}

@@ -8,6 +8,10 @@ at block position k + 1: its distribution over the pool should match the target'
 p(. | x[<= a+k]) restricted to the pool. The loss mixes KL, total variation (what acceptance pays for)
 and, optionally, cross-entropy on the realised token. Pool coverage (how often the target's token is in
 the pool) bounds what any re-scoring of the pool can accept.
+
+With `weaver.train.read_text` the adapter also trains on the text the target read for the drafter (`text`
+stage): many more paths than the rollouts give it. Their tokens are not the target's choices, so there the
+cross-entropy's label is the target's own greedy token at each node (its argmax), not the text's next token.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from weaver.models.drafter import Drafter
 from weaver.models.layers import init_weights
 from weaver.models.target import TargetModel
 from weaver.train.common import fit, heldout_metrics, make_accelerator, split_heldout, write_artifact
-from weaver.train.drafter import anchored_batches, draft_blocks, taps_and_hidden
+from weaver.errors import WeaverError
+from weaver.train.drafter import anchored_batches, draft_blocks, flag_read_text, taps_and_hidden, with_read_text
 
 
 def pool_losses(log_q: torch.Tensor, teacher_logits: torch.Tensor, pool_tokens: torch.Tensor,
@@ -60,8 +65,10 @@ def expected_chain_length(accept: torch.Tensor, valid: torch.Tensor) -> torch.Te
 
 def adapter_loss(
     adapter: WeaverAdapter, drafter: Drafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor,
-    anchors: torch.Tensor, mix: DictConfig, states: torch.Tensor | None = None,
+    anchors: torch.Tensor, mix: DictConfig, states: torch.Tensor | None = None, read: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of the adapter's teacher-forced chains from `anchors` and its metrics; rows flagged in `read`
+    (N,) bool are read text, labelled with the target's greedy tokens."""
     N, L = ids.shape
     D = adapter.cfg.max_depth
     taps, hidden = taps_and_hidden(target, ids, drafter.cfg.target_layer_ids, states)
@@ -79,6 +86,8 @@ def adapter_loss(
     scores = adapter.pool_scores(node_states, pool_logits, adapter.pool_candidates(target, pool_tokens))
     with torch.no_grad():
         teacher = target.lm_head(hidden[rows, at[:, :-1]])  # the target's logits at the chain's nodes
+    if read is not None:
+        labels = torch.where(read.to(ids.device)[rows], teacher.argmax(-1), labels)
     terms = pool_losses(scores.log_softmax(-1), teacher, pool_tokens, labels)
     prior = pool_losses(pool_logits.log_softmax(-1), teacher, pool_tokens, labels)
 
@@ -114,8 +123,9 @@ def adapter_config(w: DictConfig, target: TargetModel, drafter: Drafter) -> Adap
 
 
 def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokenizer, rollouts_dir: Path,
-                  out_dir: Path, work_dir: Path, states_dir: Path | None = None) -> dict:
-    """Train the adapter described by cfg.weaver on the rollouts; write config.json + model.safetensors."""
+                  out_dir: Path, work_dir: Path, states_dir: Path | None = None, text_dir: Path | None = None) -> dict:
+    """Train the adapter described by cfg.weaver on the rollouts (and, with weaver.train.read_text, the text the
+    target read, `text_dir`); write config.json + model.safetensors."""
     w, train = cfg.weaver, cfg.weaver.train
     check_tokenizer(tokenizer, target.cfg.vocab_size, "the target's tokenizer")
     check_tokenizer_fingerprint("the drafter", getattr(drafter.cfg, "tokenizer_sha256", None), target, tokenizer)
@@ -126,19 +136,28 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
     target.requires_grad_(False)
     drafter.requires_grad_(False)
     rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
-    rows, heldout = split_heldout(rows, train.get("heldout_rollouts", 0), "weaver.train.heldout_rollouts")
+    n_rollouts = len(rows)
+    rows, heldout = split_heldout(rows, train.heldout_rollouts, "weaver.train.heldout_rollouts")
+    n_trained = len(rows)
     accelerator = make_accelerator(cfg, f"{cfg.experiment}-weaver", train.precision)
     target.to(accelerator.device)
     drafter.to(accelerator.device)
     stored = None if states_dir is None else StoredStates(states_dir, drafter.cfg.target_layer_ids)
-    collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed, stored)
+    if train.read_text:
+        if text_dir is None:
+            raise WeaverError("weaver.train.read_text needs the text the target read for a drafter trained here "
+                              "(drafter.text.sources set, drafter.path null)")
+        rows, stored = with_read_text(rows, stored, text_dir, drafter.cfg.target_layer_ids)
+    collate = flag_read_text(anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed, stored),
+                             n_rollouts)
 
     def loss_fn(model, batch):
-        ids, lengths, anchors, states = batch
-        return adapter_loss(model, drafter, target, ids, lengths, anchors, train.loss, states)
+        ids, lengths, anchors, states, read = batch
+        return adapter_loss(model, drafter, target, ids, lengths, anchors, train.loss, states, read)
 
     n_params = sum(p.numel() for p in adapter.parameters())
-    accelerator.print(f"weaver adapter: {n_params / 1e6:.2f}M parameters, pool {w.pool_size}, {len(rows)} rollouts")
+    read = f" + {len(rows) - n_trained} read texts" if len(rows) > n_trained else ""
+    accelerator.print(f"weaver adapter: {n_params / 1e6:.2f}M parameters, pool {w.pool_size}, {n_trained} rollouts{read}")
     evaluate = None if heldout is None else heldout_metrics(heldout, collate, loss_fn, train.batch_size, accelerator.device)
     metrics = fit(accelerator, adapter, optimizers(adapter, train), rows, collate, loss_fn, train, work_dir,
                   cfg.seed, evaluate=evaluate, desc="weaver")

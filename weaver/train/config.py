@@ -54,6 +54,7 @@ class AdapterTrainConfig(TrainConfig):
     anchors_per_seq: int = 16
     loss: AdapterLoss = field(default_factory=AdapterLoss)
     heldout_rollouts: int = 0  # > 0: the last n rollouts are held out and evaluated every eval_every steps
+    read_text: bool = False  # also train on the text the target read for the drafter (drafter.text), greedy labels
 
 
 SCHEMAS = {"target": TrainConfig, "drafter": DrafterTrainConfig, "adapter": AdapterTrainConfig}

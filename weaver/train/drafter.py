@@ -184,6 +184,16 @@ def with_read_text(rows: datasets.Dataset, stored: StoredStates | None, text_dir
     return datasets.concatenate_datasets([rows, text]), ConcatStates([stored, StoredStates(text_dir / "states", tap_layers)])
 
 
+def flag_read_text(collate: Callable[[list[dict]], tuple], n_rollouts: int) -> Callable[[list[dict]], tuple]:
+    """`collate` with one more output, (N,) bool: which rows are read text (`with_read_text` numbers them on
+    from the n_rollouts stored rollouts)."""
+
+    def collate_with_source(batch: list[dict]) -> tuple:
+        return (*collate(batch), torch.tensor([r["prompt_index"] >= n_rollouts for r in batch]))
+
+    return collate_with_source
+
+
 def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir: Path, out_dir: Path, work_dir: Path,
                   states_dir: Path | None = None, text_dir: Path | None = None) -> dict:
     """Train the drafter described by cfg.drafter on the rollouts (and the text the target read, `text_dir`);
@@ -218,14 +228,12 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
     n_trained = len(rows)
     if text_dir is not None:
         rows, stored = with_read_text(rows, stored, text_dir, drafter.cfg.target_layer_ids)
-    collate = anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed, stored)
+    collate_with_source = flag_read_text(anchored_batches(tokenizer.pad_token_id or 0, train.anchors_per_seq, cfg.seed,
+                                                          stored), n_rollouts)
 
     def loss_fn(model, batch):
         ids, lengths, anchors, states, read = batch
         return distillation_loss(model, target, ids, lengths, anchors, train.gamma, train.kl_weight, states, read)
-
-    def collate_with_source(batch: list[dict]) -> tuple:  # rows past the rollouts are read text
-        return (*collate(batch), torch.tensor([r["prompt_index"] >= n_rollouts for r in batch]))
 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=train.weight_decay)
     n_params = sum(p.numel() for p in drafter.parameters())
