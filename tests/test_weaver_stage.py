@@ -137,7 +137,7 @@ def test_expected_chain_length_multiplies_acceptance_along_depths():
     torch.testing.assert_close(adapter_stage.expected_chain_length(accept, valid), torch.tensor([2.0, 1.8]))
 
 
-def test_heldout_rollouts_are_not_trained_on_and_report_sampling_metrics(smoke_outputs, tmp_path, monkeypatch):
+def test_heldout_rollouts_are_not_trained_on_and_report_sampling_metrics(smoke_outputs, tmp_path, monkeypatch, capsys):
     """weaver.train.heldout_rollouts=8: training sees the other 40 rollouts, and the summary carries the
     adapter's metrics on the 8 held out (expected chain length under rejection sampling among them)."""
     seen = []
@@ -150,6 +150,8 @@ def test_heldout_rollouts_are_not_trained_on_and_report_sampling_metrics(smoke_o
     monkeypatch.setattr(adapter_stage, "adapter_loss", recording_loss)
     cfg = smoke_config(smoke_outputs, "weaver.train.heldout_rollouts=8", "weaver.train.eval_every=4")
     summary = train(cfg, tmp_path / "a", tmp_path / "a.work")
+    printed = capsys.readouterr().out
+    assert "weaver step 4: heldout_tv " in printed and "weaver step 8: heldout_tv " in printed
     assert 1 <= summary["heldout_tau_rrs"] <= cfg.drafter.block_size and 0 <= summary["heldout_accept_d1"] <= 1
     assert summary["heldout_tau_rrs_prior"] >= 1 and "heldout_acc" in summary
     assert seen.count(8) == 8 + 2  # 8 training steps of batch 8, then 8 held-out rollouts at steps 4 and 8

@@ -238,9 +238,12 @@ def fit(
             if evaluate is not None and ((train.eval_every and step % train.eval_every == 0) or step == train.steps):
                 model.eval()
                 with accelerator.autocast():
-                    metrics.update(evaluate(model))
+                    heldout = evaluate(model)
                 model.train()
+                metrics.update(heldout)
                 accelerator.log(metrics, step=step)
+                if accelerator.is_local_main_process:  # beside the bar: the curve that says whether to train longer
+                    bar.write(f"{desc} step {step}: " + ", ".join(f"{k} {v:.3g}" for k, v in heldout.items()))
             if step % train.checkpoint_every == 0 or step == train.steps:
                 checkpoints.save(accelerator, step)
             if step >= train.steps:
