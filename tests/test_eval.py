@@ -81,6 +81,21 @@ def test_read_text_is_its_own_stage_and_retrains_the_drafter():
     assert _artifact_keys("train", *on, "rollouts.dtype=bfloat16")["text"] != text["text"]  # states stored in bf16
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_data_dtype_is_keyed_as_the_dtype_it_resolves_to(monkeypatch, fast):
+    """`rollouts.dtype=auto`: the data stages' keys are those of the dtype this machine's probe picks, so a
+    CPU without native bf16 never reuses (or resumes) bf16 data under the same key, and vice versa."""
+    from weaver import precision
+
+    monkeypatch.setattr(precision, "bf16_is_fast", lambda device_type: (fast, "pretend"))
+    text = ["rollouts.store_states=true", "drafter.text.sources=[python_stdlib]"]
+    auto = _artifact_keys("train", *text, "rollouts.dtype=auto")
+    picked = _artifact_keys("train", *text, f"rollouts.dtype={'bfloat16' if fast else 'float32'}")
+    other = _artifact_keys("train", *text, f"rollouts.dtype={'float32' if fast else 'bfloat16'}")
+    for stage in ("rollouts", "states", "text", "drafter", "weaver"):
+        assert auto[stage] == picked[stage] != other[stage], stage
+
+
 def test_eval_overrides_run_on_trained_artifacts_without_training(smoke_outputs, tmp_path):
     done = run_script("eval.py", smoke_outputs, "+experiment=smoke", f"eval.out_dir={tmp_path}", "eval.methods=[weaver]",
                       "weaver.search.children=4", "weaver.search.nodes_per_call=2", "weaver.search.pool=48", "model.dtype=float32",

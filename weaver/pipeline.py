@@ -82,7 +82,19 @@ def _rollout_settings(cfg: DictConfig) -> list:
     """What the rollouts depend on besides the target: their settings, the prompt sets, the chat template's."""
     r = cfg.rollouts
     sets = [] if r.prompts == "corpus" else [OmegaConf.to_container(cfg.prompt_sets[n]) for n in r.prompts if n in cfg.prompt_sets]
-    return [_trained_on(cfg, "rollouts"), sets, OmegaConf.to_container(cfg.model.chat_template_kwargs), cfg.seed]
+    return [_with_data_dtype(cfg, _trained_on(cfg, "rollouts")), sets, OmegaConf.to_container(cfg.model.chat_template_kwargs),
+            cfg.seed]
+
+
+def _with_data_dtype(cfg: DictConfig, settings: dict) -> dict:
+    """`dtype: auto` hashed as the dtype it resolves to on this machine (`weaver.precision.data_dtype`): the same
+    key never names bf16 data on one CPU and fp32 data on another, nor a build resumed on a machine that
+    decides otherwise; and `auto` shares artifacts with the explicit dtype it picks."""
+    from weaver.precision import bf16_is_fast, resolve_device
+
+    if settings.get("dtype") == "auto":
+        settings = {**settings, "dtype": "bfloat16" if bf16_is_fast(resolve_device(cfg.device).type)[0] else "float32"}
+    return settings
 
 
 def _run_states(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
@@ -148,7 +160,8 @@ def _run_drafter(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
 
 def _read_in(cfg: DictConfig) -> dict:
     """The precision the target reads text in (`rollouts.dtype`, as for the rollouts): the stored states' dtype."""
-    return _as_hashed({"dtype": OmegaConf.select(cfg, "rollouts.dtype", default="model")}, "rollouts")  # older configs: none
+    dtype = {"dtype": OmegaConf.select(cfg, "rollouts.dtype", default="model")}  # older configs: none
+    return _as_hashed(_with_data_dtype(cfg, dtype), "rollouts")
 
 
 def _reads_text(cfg: DictConfig) -> bool:
