@@ -87,13 +87,13 @@ def _rollout_settings(cfg: DictConfig) -> list:
 
 
 def _with_data_dtype(cfg: DictConfig, settings: dict) -> dict:
-    """`dtype: auto` hashed as the dtype it resolves to on this machine (`weaver.precision.data_dtype`): the same
+    """`dtype: auto` hashed as the dtype it resolves to on this machine (`weaver.precision.auto_data_dtype`): the same
     key never names bf16 data on one CPU and fp32 data on another, nor a build resumed on a machine that
     decides otherwise; and `auto` shares artifacts with the explicit dtype it picks."""
-    from weaver.precision import bf16_is_fast, resolve_device
+    from weaver.precision import auto_data_dtype, resolve_device
 
     if settings.get("dtype") == "auto":
-        settings = {**settings, "dtype": "bfloat16" if bf16_is_fast(resolve_device(cfg.device).type)[0] else "float32"}
+        settings = {**settings, "dtype": str(auto_data_dtype(resolve_device(cfg.device))).removeprefix("torch.")}
     return settings
 
 

@@ -62,13 +62,17 @@ def data_dtype(setting: str, model_setting: str, device: torch.device) -> torch.
     if setting == "model":
         return inference_dtype(model_setting, device)
     if setting == "auto":
-        fast, reason = bf16_is_fast(device.type)
-        dtype = torch.bfloat16 if fast else torch.float32
-        _announce(f"rollouts dtype: {str(dtype).removeprefix('torch.')} ({reason})")
+        dtype = auto_data_dtype(device)
+        _announce(f"rollouts dtype: {str(dtype).removeprefix('torch.')} ({bf16_is_fast(device.type)[1]})")
         return dtype
     if setting not in DTYPES:
         raise WeaverError(f"rollouts.dtype must be model or one of {', '.join(DTYPES)}, not '{setting}'")
     return DTYPES[setting]
+
+
+def auto_data_dtype(device: torch.device) -> torch.dtype:
+    """What `rollouts.dtype: auto` resolves to on this machine: bf16 where it is fast, else fp32."""
+    return torch.bfloat16 if bf16_is_fast(device.type)[0] else torch.float32
 
 
 @functools.cache

@@ -23,13 +23,13 @@ import torch
 from omegaconf import DictConfig
 
 from weaver.data.states import StoredStates
+from weaver.errors import WeaverError
 from weaver.models.adapter import AdapterConfig, WeaverAdapter, draft_pools, save_adapter
 from weaver.models.checkpoint import check_tokenizer, check_tokenizer_fingerprint, tokenizer_fingerprint
 from weaver.models.drafter import Drafter
 from weaver.models.layers import init_weights
 from weaver.models.target import TargetModel
 from weaver.train.common import fit, heldout_metrics, make_accelerator, split_heldout, write_artifact
-from weaver.errors import WeaverError
 from weaver.train.drafter import anchored_batches, draft_blocks, flag_read_text, taps_and_hidden, with_read_text
 
 
@@ -86,7 +86,7 @@ def adapter_loss(
     scores = adapter.pool_scores(node_states, pool_logits, adapter.pool_candidates(target, pool_tokens))
     with torch.no_grad():
         teacher = target.lm_head(hidden[rows, at[:, :-1]])  # the target's logits at the chain's nodes
-    if read is not None:
+    if read is not None and read.any():  # the argmax over the vocabulary only where a batch holds read text
         labels = torch.where(read.to(ids.device)[rows], teacher.argmax(-1), labels)
     terms = pool_losses(scores.log_softmax(-1), teacher, pool_tokens, labels)
     prior = pool_losses(pool_logits.log_softmax(-1), teacher, pool_tokens, labels)
