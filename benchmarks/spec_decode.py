@@ -3,10 +3,12 @@ unless eval.compile=false, same dtype and threads) and each method@budget on the
 over --repeats rounds so that drifts in machine load hit all of them alike; medians over rounds.
 
     python benchmarks/spec_decode.py +experiment=tiny --runs chain:15 ddtree:16 weaver:8 weaver:auto
+    python benchmarks/spec_decode.py +experiment=tiny --runs ddtree:8 weaver:8 weaver:8:rescore=4
     python benchmarks/spec_decode.py +experiment=smollm2 --best --out outputs/smollm2/speed.json eval.n_prompts=2
 
 --best sweeps every budget of eval.budgets (and the chain's block, plus `auto` where eval.budgets has it)
-for each of --methods and marks each method's best. Arguments other than the options are eval.py
+for each of --methods and marks each method's best. A run may set weaver.search for itself
+(weaver:8:rescore=4,nodes_per_call=2), so that search settings are compared in one process. Arguments other than the options are eval.py
 overrides (prompt sets, n_prompts, max_new_tokens, ...). A round decodes every prompt of every dataset
 once per run. The table gives τ, median tokens/s, the medians of the per-round ratios to AR and to the
 chain (the chain's best run), efficiency (speedup over AR / τ: the share of τ that reaches wall-clock), and
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
@@ -32,11 +35,20 @@ from weaver.io import atomic_write_text
 from weaver.pipeline import ROOT_CONF
 
 
-def parse_run(text: str) -> tuple[str, int | str]:
-    method, _, budget = text.partition(":")
-    if not (budget.isdigit() or budget == "auto"):
-        raise SystemExit(f"--runs entries are method:budget (e.g. weaver:8 or weaver:auto), got '{text}'")
-    return method, int(budget) if budget.isdigit() else budget
+def parse_run(text: str) -> tuple[str, int | str, dict[str, int]]:
+    """method:budget[:setting=value,...], the settings of weaver.search for this run only."""
+    method, _, rest = text.partition(":")
+    budget, _, settings = rest.partition(":")
+    search = dict(item.partition("=")[::2] for item in settings.split(",") if item)
+    if not (budget.isdigit() or budget == "auto") or not all(v.isdigit() for v in search.values()):
+        raise SystemExit(f"--runs entries are method:budget[:search_setting=N,...] (e.g. weaver:8, weaver:auto or "
+                         f"weaver:4:rescore=4), got '{text}'")
+    return method, int(budget) if budget.isdigit() else budget, {k: int(v) for k, v in search.items()}
+
+
+def with_search(cfg: DictConfig, search: dict[str, int]) -> DictConfig:
+    """cfg with a run's own weaver.search settings (unknown names are refused by the config's schema)."""
+    return OmegaConf.merge(cfg, {"weaver": {"search": search}}) if search else cfg
 
 
 def median_ratios(speed: dict[str, list[float]], label: str, base: str) -> float:
@@ -56,13 +68,15 @@ def main() -> None:
         cfg = compose("eval", overrides=[*overrides, f"eval.methods=[ar,{','.join(methods)}]"])
     e = cfg.eval
     models, tokenizer = load_models(cfg)
-    runs = ({f"{m}:{b}": (m, b) for m in methods for b in method_spec(m).budgets(cfg, models)} if args.best
+    runs = ({f"{m}:{b}": (m, b, {}) for m in methods for b in method_spec(m).budgets(cfg, models)} if args.best
             else {label: parse_run(label) for label in args.runs})
     eos = tokenizer.eos_token_id
-    warm_up(models, cfg, eos or 0, list(runs.values()))
+    warm_up(models, cfg, eos or 0, [(method, budget) for method, budget, _ in runs.values()])
     prompts = [p for name in e.datasets
                for p in encode_prompts(load_prompt_set(cfg, name), tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts,
                                       template_kwargs(cfg))]
+    for method, budget, search in runs.values():  # each run's own search settings may compile other graphs
+        run_speculative(models, prompts[:1], with_search(cfg, search), eos, method, budget)
 
     speed: dict[str, list[float]] = {label: [] for label in ["ar", *runs]}
     results: dict[str, list[dict]] = {label: [] for label in runs}
@@ -71,20 +85,20 @@ def main() -> None:
         ar = run_ar(models, prompts, cfg, eos, with_reference=reference is None)
         reference = reference or ar["reference"]
         speed["ar"].append(ar["tokens_per_s"])
-        for label, (method, budget) in runs.items():
-            result = run_speculative(models, prompts, cfg, eos, method, budget)
+        for label, (method, budget, search) in runs.items():
+            result = run_speculative(models, prompts, with_search(cfg, search), eos, method, budget)
             if e.temperature == 0 and result["outputs"] != reference:
                 sys.exit(f"{label}: greedy tokens differ from AR decoding")
             speed[label].append(result["tokens_per_s"])
             results[label].append(result)
 
-    chains = [label for label, (method, _) in runs.items() if method == "chain"]
+    chains = [label for label, (method, *_) in runs.items() if method == "chain"]
     chain = max(chains, key=lambda label: statistics.median(speed[label])) if chains else None
-    best = {method: max((label for label, (m, _) in runs.items() if m == method), key=lambda label: statistics.median(speed[label]))
-            for method in {m for m, _ in runs.values()}}
+    best = {method: max((label for label, (m, *_) in runs.items() if m == method), key=lambda label: statistics.median(speed[label]))
+            for method in {m for m, *_ in runs.values()}}
     rows = [{"run": "ar", "method": "ar", "budget": None, "tau": 1.0, "tokens_per_s": statistics.median(speed["ar"]),
              "vs_ar": 1.0, "vs_chain": median_ratios(speed, "ar", chain) if chain else None, "efficiency": 1.0}]
-    for label, (method, budget) in runs.items():
+    for label, (method, budget, _) in runs.items():
         vs_ar, tau = median_ratios(speed, label, "ar"), statistics.median(r["tau"] for r in results[label])
         rows.append({
             "run": label, "method": method, "budget": budget, "tau": tau, "tokens_per_s": statistics.median(speed[label]),

@@ -7,6 +7,7 @@ clear message."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from scipy.stats import chi2
 
 
 from hf_tiny import VOCAB, draft_vocab_drafter
+from test_builders import paths_of
 from weaver.acceptance import SAMPLING_RULES, SamplingRule
 from weaver.builders import SearchConfig, StepInputs, ddtree, weaver_tree
 from weaver.engine import speculative_generate
@@ -85,15 +87,52 @@ def test_incremental_tree_scoring_equals_each_path_alone(target, drafter, per_ca
         torch.testing.assert_close(probs, alone, atol=1e-5, rtol=1e-4)
 
 
+def rescored_reference(adapter, target, logits, hidden, target_hidden, anchor, budget, rescore, children):
+    """The rescored tree written plainly: every candidate of the drafter's DDTree of rescore x budget nodes
+    scored alone as a path; the token paths of the `budget` candidates of the best adapter path scores, a
+    child counting only among its parent's `children` most likely."""
+    candidates = ddtree(anchor, logits[:budget], rescore * budget).tree
+    scores = {(): 0.0}
+    for node in range(1, len(candidates)):  # topological: a parent's path is scored before its children's
+        path = candidates.tokens[candidates.path_to(node)].tolist()
+        probs = path_alone_logprobs(adapter, target, logits, hidden, target_hidden, path[:-1])
+        p = probs[path[-1]]
+        among_best = int((probs > p).sum()) < children and p > 0
+        scores[tuple(path[1:])] = scores[tuple(path[1:-1])] + (float(p.log()) if among_best else -math.inf)
+    ranked = sorted((path for path in scores if path and scores[path] > -math.inf), key=scores.get, reverse=True)
+    return set(ranked[:budget])
+
+
+@pytest.mark.parametrize("budget,rescore,children", [(1, 4, 8), (5, 3, 2), (12, 4, 3), (9, 1, 16)])
+@torch.inference_mode()
+def test_rescored_tree_keeps_the_adapters_best_candidates(target, drafter, budget, rescore, children):
+    """`SearchConfig.rescore` (greedy): one adapter call over the drafter's best rescore x budget nodes, the
+    adapter's best `budget` of them kept; against each candidate scored alone."""
+    torch.manual_seed(budget)
+    adapter = make_adapter(target)
+    logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [5, 9, 3, 7])
+    step = as_step(target, adapter, logits, hidden, target_hidden, anchor)
+    proposal = weaver_tree(step, SearchConfig(budget, children, rescore=rescore))
+    tree = proposal.tree
+    assert int(tree.tokens[0]) == anchor and len(tree) <= budget + 1
+    assert paths_of(tree) == rescored_reference(adapter, target, logits, hidden, target_hidden, anchor, budget,
+                                                rescore, children)
+    for node, probs in proposal.child_probs.items():  # what the acceptance rules and the NaN check read
+        path = tree.tokens[tree.path_to(node)].tolist()
+        torch.testing.assert_close(probs, path_alone_logprobs(adapter, target, logits, hidden, target_hidden, path),
+                                   atol=1e-5, rtol=1e-4)
+
+
 @torch.inference_mode()
 def test_compiled_search_step_builds_the_eager_tree(target, drafter):
     """`WeaverAdapter.scorer(compiled=True)`: one torch.compile graph (dynamic shapes) for every wave size
     and budget, the same trees as the eager adapter step."""
     adapter = make_adapter(target)
     logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [5, 9, 3, 7])
-    for budget, per_call in ((6, 1), (13, 3)):
+    for budget, per_call, rescore in ((6, 1, None), (13, 3, None), (7, None, 3)):
         step = as_step(target, adapter, logits, hidden, target_hidden, anchor)
-        eager, compiled = (weaver_tree(step, SearchConfig(budget, 3, per_call, compiled=flag)) for flag in (False, True))
+        eager, compiled = (weaver_tree(step, SearchConfig(budget, 3, per_call, compiled=flag, rescore=rescore))
+                           for flag in (False, True))
         assert eager.tree.tokens.tolist() == compiled.tree.tokens.tolist()
         assert eager.tree.parents.tolist() == compiled.tree.parents.tolist()
         for node, probs in eager.child_probs.items():
@@ -106,20 +145,23 @@ def test_untrained_adapter_builds_the_ddtree(target, drafter):
     adapter = make_adapter(target, pool_size=VOCAB, trained=False)
     logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [4, 8, 15, 16])
     for budget in (5, 17):
-        ours = weaver_tree(as_step(target, adapter, logits, hidden, target_hidden, anchor), SearchConfig(budget, budget, 4)).tree
+        step = as_step(target, adapter, logits, hidden, target_hidden, anchor)
+        ours = weaver_tree(step, SearchConfig(budget, budget, 4)).tree
         reference = ddtree(anchor, logits, budget).tree
         assert ours.tokens.tolist() == reference.tokens.tolist()
         assert ours.parents.tolist() == reference.parents.tolist()
+        # rescoring DDTree's own candidates by the drafter's prior keeps DDTree's best nodes
+        assert paths_of(weaver_tree(step, SearchConfig(budget, budget, rescore=2)).tree) == paths_of(reference)
 
 
-@pytest.mark.parametrize("budget,width", [(4, 8), (16, 3), (40, 8)])
-def test_greedy_is_lossless_with_weaver_trees(target, drafter, budget, width):
+@pytest.mark.parametrize("budget,width,rescore", [(4, 8, None), (16, 3, None), (40, 8, None), (4, 8, 4), (16, 3, 2)])
+def test_greedy_is_lossless_with_weaver_trees(target, drafter, budget, width, rescore):
     torch.manual_seed(budget)
     adapter = make_adapter(target)
     for n in (3, 11):
         prompt = torch.randint(3, VOCAB, (n,)).tolist()
         out, stats = speculative_generate(target, drafter, prompt, 32, method="weaver", budget=budget,
-                                          adapter=adapter, children=width)
+                                          adapter=adapter, children=width, rescore=rescore)
         assert out == generate(target, [prompt], 32)[0]
 
 
@@ -144,10 +186,12 @@ def test_a_wider_search_pool_rescores_the_same_candidates_alike(target, drafter)
 
 
 def test_weaver_sampling_runs_and_is_reproducible(target, drafter):
+    """... and `rescore`, a greedy search, leaves sampled trees to the wave search (same draws, same tokens)."""
     adapter = make_adapter(target)
     runs = [speculative_generate(target, drafter, [5, 6, 7], 20, temperature=1.0, method="weaver", budget=8,
-                                 adapter=adapter, generator=torch.Generator().manual_seed(4))[0] for _ in range(2)]
-    assert runs[0] == runs[1] and len(runs[0]) == 20
+                                 adapter=adapter, generator=torch.Generator().manual_seed(4), rescore=rescore)[0]
+            for rescore in (None, None, 4)]
+    assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 20
 
 
 def test_weaver_without_adapter_is_refused(target, drafter):

@@ -275,6 +275,8 @@ CASES = [
      "weaver.search.children must be a whole number >= 1, got 0"),
     ("zero nodes per call", lambda m, t: spec(m, method="weaver", budget=4, adapter=m.adapter, nodes_per_call=0),
      "weaver.search.nodes_per_call must be a whole number >= 1 or null, got 0"),
+    ("zero rescore", lambda m, t: spec(m, method="weaver", budget=4, adapter=m.adapter, rescore=0),
+     "weaver.search.rescore must be a whole number >= 1 or null, got 0"),
     ("adapter pool size 0", lambda m, t: AdapterConfig(64, VOCAB, 5, pool_size=0),
      "adapter pool_size must be a whole number >= 1, got 0"),
     # --- prompts and lengths ---

@@ -22,11 +22,11 @@ def test_gdn_tree_verify_benchmark_runs():
 
 def test_speculative_decoding_benchmark_runs(smoke_outputs):
     done = run_script("benchmarks/spec_decode.py", smoke_outputs, "+experiment=smoke", "--runs", "chain:3", "weaver:4",
-                      "--repeats", "2", "eval.datasets=[heldout_code]", "eval.n_prompts=1", "eval.max_new_tokens=8",
+                      "weaver:4:rescore=2", "--repeats", "2", "eval.datasets=[heldout_code]", "eval.n_prompts=1", "eval.max_new_tokens=8",
                       "eval.compile=false")
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows == ["run", "ar", "chain:3", "weaver:4"]
+    assert rows == ["run", "ar", "chain:3", "weaver:4", "weaver:4:rescore=2"]
 
 
 def test_best_budget_sweep_writes_rows(smoke_outputs, tmp_path):

@@ -34,8 +34,8 @@ def test_unreachable_hub_dataset_is_one_clear_line(smoke_outputs, tmp_path):
 
 # Inference-time settings the README shows for eval.py; none may change a trained artifact's key.
 EVAL_OVERRIDES = [
-    "weaver.search.children=4", "weaver.search.nodes_per_call=2", "weaver.search.pool=128", "eval.budgets=[8,16]",
-    "eval.methods=[weaver]", "eval.temperature=1", "eval.sampling=target_only", "model.dtype=bfloat16", "model.dtype=float32",
+    "weaver.search.children=4", "weaver.search.nodes_per_call=2", "weaver.search.pool=128", "weaver.search.rescore=4",
+    "eval.budgets=[8,16]", "eval.methods=[weaver]", "eval.temperature=1", "eval.sampling=target_only", "model.dtype=bfloat16", "model.dtype=float32",
     "eval.datasets=[humaneval]", "eval.n_prompts=2", "eval.compile=false", "device=cpu",
 ]
 
@@ -99,7 +99,7 @@ def test_auto_data_dtype_is_keyed_as_the_dtype_it_resolves_to(monkeypatch, fast)
 def test_eval_overrides_run_on_trained_artifacts_without_training(smoke_outputs, tmp_path):
     done = run_script("eval.py", smoke_outputs, "+experiment=smoke", f"eval.out_dir={tmp_path}", "eval.methods=[weaver]",
                       "weaver.search.children=4", "weaver.search.nodes_per_call=2", "weaver.search.pool=48", "model.dtype=float32",
-                      "eval.budgets=[3]", "eval.datasets=[heldout_code]", "eval.n_prompts=1", "eval.max_new_tokens=8")
+                      "weaver.search.rescore=3", "eval.budgets=[3]", "eval.datasets=[heldout_code]", "eval.n_prompts=1", "eval.max_new_tokens=8")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "building" not in done.stdout
     assert [json.loads(line)["method"] for line in (tmp_path / "results.jsonl").read_text().splitlines()] == ["weaver"]

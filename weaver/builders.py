@@ -18,6 +18,7 @@ ops instead of one wave per node and tested equal to the search (the chain, gree
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from weaver.errors import WeaverError
-from weaver.models.adapter import WeaverAdapter, draft_pools, expansion_batch
+from weaver.models.adapter import AdapterCache, WeaverAdapter, draft_pools, expansion_batch
 from weaver.models.compile import Compile
 from weaver.models.drafter import Draft
 from weaver.search import ChildLogProbs, Grown, Proposal, best_first_tree
@@ -70,6 +71,7 @@ class SearchConfig:
     compiled: Compile = False
     anytime: bool = False
     priority: AcceptanceTable | None = None
+    rescore: int | None = None
 
     def per_call(self) -> int | Callable[[int], int]:
         return self.nodes_per_call or (expansion_batch if self.anytime else expansion_batch(self.budget))
@@ -178,15 +180,15 @@ def weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     the anchor (`step.target_hidden`) make the adapter's prefix memory. Each adapter call scores
     `search.per_call()` new nodes, which attend to the prefix memory and to their ancestors (scored in
     earlier calls); `search.compiled`: through the compiled adapter step (`WeaverAdapter.scorer`).
+    Greedy with `search.rescore`: `rescored_weaver_tree`, one adapter call.
     """
-    adapter, target, draft_logits = step.adapter, step.target, step.draft.logits[0]
-    if adapter is None:
-        raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
+    if search.rescore and search.generator is None:
+        return rescored_weaver_tree(step, search)
+    adapter, target, draft_logits = _adapter_of(step), step.target, step.draft.logits[0]
     pool_logits, pool_tokens = draft_pools(draft_logits, adapter.cfg.pool_size)
     candidates = adapter.pool_candidates(target, pool_tokens)  # (D, M, r), constant for this step
     # adapter-cache slot of a node = its index in the tree, so a node's mask row is its ancestor row
-    prefix = adapter.prefix(step.target_hidden[None], step.draft.hidden[0][None])
-    cache = adapter.start(prefix, capacity=search.budget + 1)
+    cache = _adapter_cache(step, search, search.budget + 1)
     score = adapter.scorer(search.compiled)
 
     def logprobs(nodes: torch.Tensor, grown: Grown) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +200,73 @@ def weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     return best_first_tree(step.anchor, search.budget, len(draft_logits), logprobs, min(search.children, adapter.cfg.pool_size),
                            search.per_call(), search.generator, vocab_size=draft_logits.shape[-1], priority=search.priority,
                            device=candidates.device)
+
+
+def rescored_weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
+    """Greedy Weaver in one adapter call: the best `budget` nodes, by the adapter's path scores, of the
+    drafter's own best tree of `rescore` x budget nodes (`best_paths`, DDTree's greedy tree).
+
+    The wave search needs one adapter call per wave because a node's children are only known once the node
+    is scored; on a CPU each call is a graph of ~50 small kernels (0.6 ms for SmolLM2's adapter, whatever the
+    number of nodes), so a budget-4 search made of four calls cost as much as the drafter's whole block.
+    Here the candidates are fixed in advance, and every one is scored at once, attending to its ancestors
+    among them. A candidate's adapter log-prob is its token's in its parent's pool distribution (-inf if the
+    token is not among the parent's `children` best); its path score, the sum along its path, never exceeds
+    its parent's, so the best `budget` candidates form a tree (ties: the earlier candidate, a parent before
+    its children). The result is the wave search's tree restricted to nodes the drafter's marginals also
+    rank among their best `rescore` x budget: equal to it when those hold it, as the measured τ shows
+    (README). Sampling keeps the wave search: its children must be drawn from the adapter's distribution.
+    """
+    adapter, target, draft_logits = _adapter_of(step), step.target, step.draft.logits[0]
+    depth = min(len(draft_logits), search.budget)  # a tree of `budget` nodes is at most that deep
+    pool_logits, pool_tokens = draft_pools(draft_logits[:depth], adapter.cfg.pool_size)
+    drafted = best_paths(step.anchor, draft_logits[:depth], search.rescore * search.budget).tree
+    ancestors, depths, n = drafted.ancestors, drafted.depth, len(drafted)
+    scored = (depths < depth).nonzero().squeeze(-1)  # nodes whose children the candidates may hold
+    cache = _adapter_cache(step, search, n)
+    scores = adapter.scorer(search.compiled)(
+        target, drafted.tokens[scored], depths[scored], ancestors[scored], scored, cache, pool_logits[depths[scored]],
+        adapter.pool_candidates(target, pool_tokens)[depths[scored]])
+    logprobs = scores.log_softmax(-1)  # (scored, M): row r holds node scored[r]'s children
+    row = torch.full((n,), -1, dtype=torch.long, device=scores.device)
+    row[scored] = torch.arange(len(scored), device=scores.device)
+    parents = drafted.parents[1:]  # candidate 0 is the anchor
+    parent_scores = scores[row[parents]]  # (n - 1, M)
+    in_pool = pool_tokens[depths[parents]] == drafted.tokens[1:, None]  # (n - 1, M), one True at most
+    slot = in_pool.int().argmax(-1, keepdim=True)
+    rank = (parent_scores > parent_scores.gather(1, slot)).sum(-1)
+    own = logprobs[row[parents]].gather(1, slot).squeeze(1)
+    own = torch.where(in_pool.any(-1) & (rank < search.children), own, -math.inf)
+    # path scores depth by depth: parent's + own, so that a child never outranks its parent by a rounding
+    # (a sum over each row of the ancestor matrix could); -inf below any excluded node
+    path = own.new_zeros(n)
+    for d in range(1, depth + 1):
+        at = (depths[1:] == d).nonzero().squeeze(-1) + 1
+        path[at] = path[parents[at - 1]] + own[at - 1]
+    # best first, as the search takes nodes (`budget: auto` reads smaller budgets' trees as prefixes); on a tie
+    # the earlier candidate, so a parent precedes its children and the anchor (path score 0) comes first
+    order = path.sort(descending=True, stable=True).indices
+    keep = order[path[order] > -math.inf][: search.budget + 1]
+    new_id = torch.full((n,), -1, dtype=torch.long, device=scores.device)
+    new_id[keep] = torch.arange(len(keep), device=scores.device)
+    kept_parents = drafted.parents[keep]
+    tree = Tree.with_ancestors(drafted.tokens[keep], torch.where(kept_parents >= 0, new_id[kept_parents.clamp(min=0)], -1),
+                               ancestors[keep][:, keep])
+    expanded = row[keep] >= 0
+    expansions = [(new_id[keep[expanded]], logprobs[row[keep[expanded]]], pool_tokens[depths[keep[expanded]]])]
+    return Proposal(tree, expansions, draft_logits.shape[-1])
+
+
+def _adapter_of(step: StepInputs) -> WeaverAdapter:
+    if step.adapter is None:
+        raise WeaverError("method 'weaver' needs a trained adapter (stage `weaver` of train.py)")
+    return step.adapter
+
+
+def _adapter_cache(step: StepInputs, search: SearchConfig, capacity: int) -> AdapterCache:
+    """The adapter's prefix memory for this step (the target's state before the anchor, the drafter's block
+    states), with room for `capacity` nodes."""
+    return _adapter_of(step).open_step(step.target_hidden[None], step.draft.hidden[0][None], capacity, search.compiled)
 
 
 def max_tree_nodes(max_depth: int, branching: int) -> int:

@@ -68,7 +68,7 @@ class PhaseClock:
 def check_request(
     target: TargetModel, drafter: Drafter, prompt: list[int], max_new_tokens: int, temperature: float, method: str,
     budget: "int | BudgetPlanner | None", adapter: WeaverAdapter | None, sampling: str, children: int,
-    nodes_per_call: int | None,
+    nodes_per_call: int | None, rescore: int | None = None,
 ) -> int:
     """Refuse a bad speculative request before any model runs, with one clear message; returns the largest
     budget a step may take. O(len(prompt)) on the host."""
@@ -84,6 +84,8 @@ def check_request(
         raise WeaverError(f"weaver.search.children must be a whole number >= 1, got {children!r}")
     if nodes_per_call is not None and not is_count(nodes_per_call):
         raise WeaverError(f"weaver.search.nodes_per_call must be a whole number >= 1 or null, got {nodes_per_call!r}")
+    if rescore is not None and not is_count(rescore):
+        raise WeaverError(f"weaver.search.rescore must be a whole number >= 1 or null, got {rescore!r}")
     depth = drafter.cfg.block_size - 1
     pool = None
     if "adapter" in kind.needs:
@@ -119,6 +121,7 @@ def speculative_generate(
     nodes_per_call: int | None = None,
     compiled: Compile = False,
     priority: AcceptanceTable | None = None,
+    rescore: int | None = None,
 ) -> tuple[list[int], SpecStats]:
     """New tokens for one prompt with draft trees, plus acceptance statistics.
 
@@ -133,7 +136,8 @@ def speculative_generate(
     Weaver search's children per node (default 8, or the adapter's pool when smaller). priority: with `rrs`,
     rank the tree's nodes by this table's estimate of how often the rule reaches them (`weaver.calibration`),
     which this call keeps learning from its steps (pass one table across a run's prompts); None: by draft
-    probability.
+    probability. rescore: greedy Weaver trees in one adapter call, from the drafter's best `rescore` x budget
+    nodes (`weaver.builders.rescored_weaver_tree`); None: the wave search.
 
     Bad input (`check_request`) raises `WeaverError` before any model runs; so do NaN/inf logits of the
     target or the drafter (and NaN scores of the adapter), naming the step, instead of a wrong token.
@@ -141,7 +145,7 @@ def speculative_generate(
     if children is None:
         children = default_children(adapter.cfg.pool_size if adapter is not None else None)
     max_budget = check_request(target, drafter, prompt, max_new_tokens, temperature, method, budget, adapter, sampling,
-                               children, nodes_per_call)
+                               children, nodes_per_call, rescore)
     planner = budget if isinstance(budget, BudgetPlanner) else None
     budget = max_budget
     device = target.embed.weight.device
@@ -169,7 +173,7 @@ def speculative_generate(
         clock.lap("draft")
         proposal = propose(method, StepInputs(int(anchor), draft, hidden, target, cache, adapter), SearchConfig(
             step_budget, children, nodes_per_call, generator if drawn else None, temperature if drawn else 1.0, compiled,
-            anytime=planner is not None, priority=priority if drawn else None))
+            anytime=planner is not None, priority=priority if drawn else None, rescore=rescore))
         tree = proposal.tree
         if scored_by_adapter:
             check_finite(torch.cat([lp.flatten() for _, lp, _ in proposal.expansions]), "the Weaver adapter's scores",

@@ -161,8 +161,8 @@ def _decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, gene
     extra = {name: models[name] for name in method_spec(method).needs if name != "drafter"}
     search = cfg.weaver.search
     priority = RRS_PRIORITIES[e.rrs_priority]()  # one table learns across the run's prompts
-    options = dict(sampling=e.sampling, children=search.children, nodes_per_call=search.nodes_per_call, compiled=e.compile,
-                   priority=priority, **extra)
+    options = dict(sampling=e.sampling, children=search.children, nodes_per_call=search.nodes_per_call,
+                   rescore=search.rescore, compiled=e.compile, priority=priority, **extra)
     max_new_tokens = max_new_tokens or e.max_new_tokens
     return lambda prompt, budget: speculative_generate(models["target"], models["drafter"], prompt, max_new_tokens,
                                                        e.temperature, eos, generator, method, budget, **options)
@@ -179,7 +179,8 @@ def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]
     per process on a fixed pseudo-random prompt of eval.prompt_tokens tokens (a chain's candidates stop at
     the block)."""
     costs = models.setdefault("step_costs", {})
-    if method not in costs:
+    key = (method, *sorted(OmegaConf.to_container(cfg.weaver.search).items()))  # a run may set its own search
+    if key not in costs:
         auto = cfg.eval.auto_budget
         candidates = auto_candidates(cfg, models, method)
         vocab = models["target"].cfg.vocab_size
@@ -190,9 +191,9 @@ def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]
             stats = decode(prompt, budget)[1]
             return [sum(stats.seconds.values()) / len(stats.accepted)]
 
-        costs[method] = measure_step_costs(step_seconds, candidates, auto.repeats)
-        print(f"budget auto, {method}: ms per step " + ", ".join(f"{b}: {1e3 * c:.1f}" for b, c in costs[method].items()))
-    return costs[method]
+        costs[key] = measure_step_costs(step_seconds, candidates, auto.repeats)
+        print(f"budget auto, {method}: ms per step " + ", ".join(f"{b}: {1e3 * c:.1f}" for b, c in costs[key].items()))
+    return costs[key]
 
 
 def warm_up(models: Models, cfg: DictConfig, token: int, runs: list[tuple[str, int | str]] | None = None) -> None:
@@ -212,7 +213,7 @@ def warm_up(models: Models, cfg: DictConfig, token: int, runs: list[tuple[str, i
         speculative_generate(models["target"], models["drafter"], [token] * 4, 4)
     if "adapter" in models:
         speculative_generate(models["target"], models["drafter"], [token] * 4, 4, method="weaver", budget=4,
-                             adapter=models["adapter"], compiled=cfg.eval.compile)
+                             adapter=models["adapter"], compiled=cfg.eval.compile, rescore=cfg.weaver.search.rescore)
 
 
 def check_names(cfg: DictConfig) -> None:

@@ -107,6 +107,8 @@ def engine_spec(cfg: DictConfig, run: Run, target: Path, drafter: Path | None, a
             env["WEAVER_NODES_PER_CALL"] = str(cfg.weaver.search.nodes_per_call)
         if cfg.weaver.search.pool is not None:
             env["WEAVER_POOL"] = str(cfg.weaver.search.pool)
+        if cfg.weaver.search.rescore is not None:
+            env["WEAVER_RESCORE"] = str(cfg.weaver.search.rescore)
     return {
         "target": str(target), "algorithm": ALGORITHMS[method], "drafter": str(drafter) if drafter else None,
         "num_draft_tokens": None if budget is None else budget + 1, "env": env, "engine": engine,

@@ -8,7 +8,8 @@ declared in pyproject.toml), so `--speculative-algorithm WEAVER` (or DDTREE) res
 Settings: `--speculative-draft-model-path` is our drafter (DFlash format), `--speculative-num-draft-tokens`
 the tree size (budget + 1, default 16); the Weaver adapter and the search's children per node come from the
 environment (SGLang's argument parser is not ours to extend): WEAVER_ADAPTER=<adapter folder>, WEAVER_CHILDREN,
-WEAVER_NODES_PER_CALL, WEAVER_POOL (candidates per depth; default the adapter's own pool), WEAVER_RRS_PRIORITY
+WEAVER_NODES_PER_CALL, WEAVER_POOL (candidates per depth; default the adapter's own pool), WEAVER_RESCORE (greedy
+requests' Weaver trees in one adapter call, `weaver.search.rescore`), WEAVER_RRS_PRIORITY
 (draft | acceptance: how sampled requests' trees rank their nodes, `weaver.calibration`; one table per worker
 learns from all its requests' steps), and WEAVER_TRACE=<file>: every step of every request as a JSON line
 (prompt, position, the drafter's top logits per depth, the tree, drafts accepted), to compare a served run
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 ALGORITHMS = {"WEAVER": "weaver", "DDTREE": "ddtree"}  # SGLang name -> weaver.builders method
 DEFAULT_DRAFT_TOKENS = 16  # the tree's nodes with its root: a budget of 15, a 16-block drafter's chain
 ADAPTER_ENV, CHILDREN_ENV, NODES_PER_CALL_ENV = "WEAVER_ADAPTER", "WEAVER_CHILDREN", "WEAVER_NODES_PER_CALL"
-TRACE_ENV, RRS_PRIORITY_ENV, POOL_ENV = "WEAVER_TRACE", "WEAVER_RRS_PRIORITY", "WEAVER_POOL"
+TRACE_ENV, RRS_PRIORITY_ENV, POOL_ENV, RESCORE_ENV = "WEAVER_TRACE", "WEAVER_RRS_PRIORITY", "WEAVER_POOL", "WEAVER_RESCORE"
 TRACE_TOP = 4  # the drafter's largest logits per depth a trace keeps (a fingerprint of its inputs)
 
 
@@ -38,6 +39,7 @@ class WorkerSettings:
     trace: str | None
     rrs_priority: str = "draft"
     pool: int | None = None  # None: the adapter's own pool
+    rescore: int | None = None  # None: greedy Weaver trees by the wave search
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
@@ -47,7 +49,7 @@ class WorkerSettings:
         if priority not in RRS_PRIORITIES:
             raise ValueError(f"{RRS_PRIORITY_ENV} must be one of {list(RRS_PRIORITIES)}, got {priority!r}")
         return cls(os.environ.get(ADAPTER_ENV) or None, _count(CHILDREN_ENV, None), _count(NODES_PER_CALL_ENV, None),
-                   os.environ.get(TRACE_ENV) or None, priority, _count(POOL_ENV, None))
+                   os.environ.get(TRACE_ENV) or None, priority, _count(POOL_ENV, None), _count(RESCORE_ENV, None))
 
     def record(self, **step) -> None:
         """Append one step to the trace file."""
