@@ -188,7 +188,7 @@ def weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     pool_logits, pool_tokens = draft_pools(draft_logits, adapter.cfg.pool_size)
     candidates = adapter.pool_candidates(target, pool_tokens)  # (D, M, r), constant for this step
     # adapter-cache slot of a node = its index in the tree, so a node's mask row is its ancestor row
-    cache = _adapter_cache(step, search, search.budget + 1)
+    cache = _adapter_cache(step, search.budget + 1)
     score = adapter.scorer(search.compiled)
 
     def logprobs(nodes: torch.Tensor, grown: Grown) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +223,7 @@ def rescored_weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     drafted = best_paths(step.anchor, draft_logits[:depth], search.rescore * search.budget).tree
     ancestors, depths, n = drafted.ancestors, drafted.depth, len(drafted)
     scored = (depths < depth).nonzero().squeeze(-1)  # nodes whose children the candidates may hold
-    cache = _adapter_cache(step, search, n)
+    cache = _adapter_cache(step, n)
     scores = adapter.scorer(search.compiled)(
         target, drafted.tokens[scored], depths[scored], ancestors[scored], scored, cache, pool_logits[depths[scored]],
         adapter.pool_candidates(target, pool_tokens)[depths[scored]])
@@ -263,10 +263,11 @@ def _adapter_of(step: StepInputs) -> WeaverAdapter:
     return step.adapter
 
 
-def _adapter_cache(step: StepInputs, search: SearchConfig, capacity: int) -> AdapterCache:
+def _adapter_cache(step: StepInputs, capacity: int) -> AdapterCache:
     """The adapter's prefix memory for this step (the target's state before the anchor, the drafter's block
     states), with room for `capacity` nodes."""
-    return _adapter_of(step).open_step(step.target_hidden[None], step.draft.hidden[0][None], capacity, search.compiled)
+    adapter = _adapter_of(step)
+    return adapter.start(adapter.prefix(step.target_hidden[None], step.draft.hidden[0][None]), capacity)
 
 
 def max_tree_nodes(max_depth: int, branching: int) -> int:

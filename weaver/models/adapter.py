@@ -85,9 +85,10 @@ class AdapterCache:
     the tree under search, so attention masks are rows of the tree's ancestor matrix)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int):
-        """keys/values (N, H, prefix + capacity, d) per layer: the prefix memory's, then empty node slots."""
-        self.keys, self.values = keys, values
-        self.prefix_len, self.length = keys[0].shape[2] - capacity, 0
+        self.prefix_len, self.length = keys[0].shape[2], 0
+        empty = lambda t: t.new_zeros(*t.shape[:2], capacity, t.shape[3])  # noqa: E731
+        self.keys = [torch.cat([k, empty(k)], dim=2) for k in keys]
+        self.values = [torch.cat([v, empty(v)], dim=2) for v in values]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Put new nodes' keys/values (N, H, T, d) at node slots (T,); all of the layer's keys/values.
@@ -116,7 +117,7 @@ class WeaverAdapter(nn.Module):
         self.candidate = Linear(H, cfg.rank, bias=False)  # P, applied to lm_head rows
         self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
         self._table: tuple[TargetModel, torch.Tensor] | None = None  # (target, P lm_head), eval mode only
-        self._compiled: dict[tuple[str, str], Callable] = {}  # (step, inductor mode) -> compiled step
+        self._compiled_scorer: dict[str, Callable[..., torch.Tensor]] = {}  # by inductor mode
         self.tokenizer_sha256: str | None = None  # the target tokenizer it was trained with (saved, checked on load)
         self.reset_scorer()
 
@@ -141,21 +142,9 @@ class WeaverAdapter(nn.Module):
 
     def start(self, prefix: torch.Tensor, capacity: int) -> AdapterCache:
         """Project the prefix memory's keys/values once per step; room for `capacity` nodes after it."""
-        return AdapterCache(*self.prefix_keys_values(prefix, capacity), capacity)
-
-    def prefix_keys_values(self, prefix: torch.Tensor, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per layer, the prefix memory's keys and values followed by `capacity` empty node slots."""
         rope = self.rope(torch.arange(prefix.shape[1], device=prefix.device)[None])
         kv = [layer.attn.keys_values(prefix, *rope) for layer in self.layers]
-        with_slots = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], capacity, t.shape[3])], dim=2)  # noqa: E731
-        return [with_slots(k) for k, _ in kv], [with_slots(v) for _, v in kv]
-
-    def open_step(self, target_hidden: torch.Tensor, draft_hidden: torch.Tensor, capacity: int,
-                  compiled: Compile = False) -> AdapterCache:
-        """`start(prefix(target_hidden, draft_hidden), capacity)`: one search step's cache, eager or compiled
-        (a dozen small ops that cost a Weaver search ~0.7 ms eager on a CPU)."""
-        keys_values = lambda th, dh, n: self.prefix_keys_values(self.prefix(th, dh), n)  # noqa: E731
-        return AdapterCache(*self._step("open", keys_values, compiled)(target_hidden, draft_hidden, capacity), capacity)
+        return AdapterCache([k for k, _ in kv], [v for _, v in kv], capacity)
 
     def forward(self, x: torch.Tensor, depths: torch.Tensor, cache: AdapterCache, sees: torch.Tensor,
                 slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,16 +178,12 @@ class WeaverAdapter(nn.Module):
         """`score_nodes`, eager or compiled once per adapter and inductor mode (dynamic shapes: one graph for
         every wave size and budget). A wave is about a hundred small ops, so compiling halves a Weaver
         search on a CPU."""
-        return self._step("score", self.score_nodes, compiled)
-
-    def _step(self, name: str, fn: Callable, compiled: Compile) -> Callable:
-        """fn itself, or its compiled graph, made once per adapter and inductor mode."""
         if not compiled:
-            return fn
-        key = (name, inductor_mode(compiled))
-        if key not in self._compiled:
-            self._compiled[key] = compile_dynamic(fn, key[1])
-        return self._compiled[key]
+            return self.score_nodes
+        mode = inductor_mode(compiled)
+        if mode not in self._compiled_scorer:
+            self._compiled_scorer[mode] = compile_dynamic(self.score_nodes, mode)
+        return self._compiled_scorer[mode]
 
     def pool_scores(self, states: torch.Tensor, pool_logits: torch.Tensor, pool_candidates: torch.Tensor) -> torch.Tensor:
         """Scores (..., M) of each node's pool: drafter logit + <P lm_head[c], Q state>.
