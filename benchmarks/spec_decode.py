@@ -75,8 +75,9 @@ def main() -> None:
     prompts = [p for name in e.datasets
                for p in encode_prompts(load_prompt_set(cfg, name), tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts,
                                       template_kwargs(cfg))]
-    for method, budget, search in runs.values():  # each run's own search settings may compile other graphs
-        run_speculative(models, prompts[:1], with_search(cfg, search), eos, method, budget)
+    for method, budget, search in runs.values():  # a run's own search settings may compile other graphs
+        if search:
+            run_speculative(models, prompts[:1], with_search(cfg, search), eos, method, budget)
 
     speed: dict[str, list[float]] = {label: [] for label in ["ar", *runs]}
     results: dict[str, list[dict]] = {label: [] for label in runs}

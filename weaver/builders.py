@@ -231,12 +231,11 @@ def rescored_weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     row = torch.full((n,), -1, dtype=torch.long, device=scores.device)
     row[scored] = torch.arange(len(scored), device=scores.device)
     parents = drafted.parents[1:]  # candidate 0 is the anchor
-    parent_scores = scores[row[parents]]  # (n - 1, M)
+    siblings = logprobs[row[parents]]  # (n - 1, M): each candidate's parent's children
     in_pool = pool_tokens[depths[parents]] == drafted.tokens[1:, None]  # (n - 1, M), one True at most
-    slot = in_pool.int().argmax(-1, keepdim=True)
-    rank = (parent_scores > parent_scores.gather(1, slot)).sum(-1)
-    own = logprobs[row[parents]].gather(1, slot).squeeze(1)
-    own = torch.where(in_pool.any(-1) & (rank < search.children), own, -math.inf)
+    own = siblings.gather(1, in_pool.int().argmax(-1, keepdim=True))
+    rank = (siblings > own).sum(-1)
+    own = torch.where(in_pool.any(-1) & (rank < search.children), own.squeeze(1), -math.inf)
     # path scores depth by depth: parent's + own, so that a child never outranks its parent by a rounding
     # (a sum over each row of the ancestor matrix could); -inf below any excluded node
     path = own.new_zeros(n)
