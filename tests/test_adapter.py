@@ -232,10 +232,12 @@ TRIALS = 1000
 ALPHA = 1e-3
 
 
-def first_two_tokens(target, drafter, adapter, sampling: str, trials: int) -> torch.Tensor:
+def first_two_tokens(target, drafter, adapter, sampling: str, trials: int, method: str = "weaver",
+                     draft_temperature: float | None = None) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
-    out = [speculative_generate(target, drafter, PROMPT, 2, temperature=TEMPERATURE, generator=gen, method="weaver",
-                                budget=6, adapter=adapter, sampling=sampling, children=3)[0] for _ in range(trials)]
+    out = [speculative_generate(target, drafter, PROMPT, 2, temperature=TEMPERATURE, generator=gen, method=method,
+                                budget=6, adapter=adapter, sampling=sampling, children=3,
+                                draft_temperature=draft_temperature)[0] for _ in range(trials)]
     return torch.tensor(out)
 
 
@@ -275,6 +277,18 @@ def test_weaver_sampling_reproduces_the_target_distribution(target, drafter, sam
     torch.manual_seed(3)
     adapter = make_adapter(target, pool_size=VOCAB)
     samples = first_two_tokens(target, drafter, adapter, sampling, TRIALS)
+    assert chi_square_pvalue(samples, target_joint(target)) > ALPHA
+
+
+@pytest.mark.parametrize("method", ["ddtree", "weaver"])
+@pytest.mark.parametrize("draft_temperature", [0.03, 0.4])
+def test_sampling_at_another_draft_temperature_reproduces_the_target_distribution(target, drafter, method,
+                                                                                  draft_temperature):
+    """Trees drawn from a sharper or flatter draft than the sampling temperature's: rejection sampling corrects
+    for any draft distribution, as long as it accepts against the one the trees were drawn from."""
+    torch.manual_seed(3)
+    adapter = make_adapter(target, pool_size=VOCAB)
+    samples = first_two_tokens(target, drafter, adapter, "rrs", TRIALS, method, draft_temperature)
     assert chi_square_pvalue(samples, target_joint(target)) > ALPHA
 
 

@@ -196,7 +196,7 @@ OTHER_TOKENIZER = tokenizer_fingerprint(word_tokenizer(VOCAB, "w"))  # same size
 def eval_config(**changes) -> OmegaConf:
     """A config with the eval settings check_names and the SGLang backend read (defaults: a valid one)."""
     e = {"methods": ["ar"], "datasets": [], "budgets": [4], "seed": 0, "backend": "torch", "rrs_priority": "draft",
-         "prepack": True, "sglang": {"python": None, "concurrency": [1]}}
+         "draft_temperature": None, "prepack": True, "sglang": {"python": None, "concurrency": [1]}}
     return OmegaConf.create({"eval": {**e, **changes, "sglang": {**e["sglang"], **changes.get("sglang", {})}},
                              "prompt_sets": {}})
 
@@ -256,6 +256,12 @@ CASES = [
      "eval.seed must be a whole number >= 0, got 'x'"),
     ("unknown eval.rrs_priority", lambda m, t: check_names(eval_config(rrs_priority="learned")),
      "eval.rrs_priority must be one of ['draft', 'acceptance'], got 'learned'"),
+    ("eval.draft_temperature 0", lambda m, t: check_names(eval_config(draft_temperature=0)),
+     "eval.draft_temperature must be a finite number > 0 or null, got 0"),
+    ("eval.draft_temperature not a number", lambda m, t: check_names(eval_config(draft_temperature="sharp")),
+     "eval.draft_temperature must be a finite number > 0 or null, got 'sharp'"),
+    ("SGLang backend asked for a draft temperature", lambda m, t: check_sglang_eval(eval_config(draft_temperature=0.8)),
+     "eval.draft_temperature is a setting of the torch backend"),
     ("eval.prepack not a boolean", lambda m, t: check_names(eval_config(prepack="yes")),
      "eval.prepack must be true or false, got 'yes'"),
     ("unknown eval.backend", lambda m, t: check_names(eval_config(backend="vllm")),
@@ -290,6 +296,8 @@ CASES = [
     ("negative max_new_tokens", lambda m, t: spec(m, max_new_tokens=-1), "max_new_tokens must be a whole number >= 0, got -1"),
     ("negative temperature", lambda m, t: spec(m, temperature=-1.0),
      "temperature must be a finite number >= 0 (0: greedy), got -1.0"),
+    ("infinite draft temperature", lambda m, t: spec(m, temperature=1.0, draft_temperature=float("inf")),
+     "draft_temperature must be a finite number > 0 or null, got inf"),
     ("prompt_tokens 0", lambda m, t: encode_prompts(None, None, 2, 0), "prompt_tokens must be a whole number >= 1, got 0"),
     # --- NaN / inf during decoding ---
     ("NaN in the target's weights", lambda m, t: speculative_generate(nan_in(m.target, "norm.weight"), m.drafter, PROMPT, 8),

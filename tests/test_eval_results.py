@@ -82,6 +82,14 @@ def test_sampling_seeds_are_separate_rows_and_macro_gives_their_spread():
     assert all(r.get("tau_std_over_seeds") is None for r in one_seed)
 
 
+def test_a_draft_temperature_is_its_own_measurement():
+    plain, sharp = _sampled(ROWS, 0, 0.0), [{**r, "draft_temperature": 0.8} for r in _sampled(ROWS, 0, 0.3)]
+    summary = summarize(plain + sharp)
+    macro = {(r["method"], r["budget"], r["draft_temperature"]): r["tau"] for r in summary if r["dataset"] == "macro"}
+    assert macro["ddtree", 8, None] == pytest.approx(2.6) and macro["ddtree", 8, 0.8] == pytest.approx(2.9)
+    assert "| macro | ddtree, draft T=0.8 | 8 | 1 | - | 2.90 |" in markdown_table(summary)
+
+
 def test_figures_plot_the_mean_over_seeds():
     merged = mean_over_seeds(_sampled(ROWS, 0, 0.0) + _sampled(ROWS, 1, 0.2))
     assert len(merged) == len(ROWS)

@@ -7,7 +7,6 @@ path (rollback-free, docs/method.md §2.6). The drafter's context cache grows by
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +22,7 @@ from weaver.errors import WeaverError
 from weaver.generate import sample_next, until_eos
 from weaver.models.adapter import WeaverAdapter, check_adapter_fits
 from weaver.models.compile import Compile
-from weaver.models.config import check_prompt, is_count
+from weaver.models.config import check_prompt, is_count, is_finite_number
 from weaver.models.drafter import Drafter, check_pair
 from weaver.models.target import TargetModel, verify_size
 
@@ -68,15 +67,17 @@ class PhaseClock:
 def check_request(
     target: TargetModel, drafter: Drafter, prompt: list[int], max_new_tokens: int, temperature: float, method: str,
     budget: "int | BudgetPlanner | None", adapter: WeaverAdapter | None, sampling: str, children: int,
-    nodes_per_call: int | None, rescore: int | None = None,
+    nodes_per_call: int | None, rescore: int | None = None, draft_temperature: float | None = None,
 ) -> int:
     """Refuse a bad speculative request before any model runs, with one clear message; returns the largest
     budget a step may take. O(len(prompt)) on the host."""
     kind = tree_method(method)
     if sampling not in SAMPLING_RULES:
         raise WeaverError(f"unknown sampling rule '{sampling}'; available: {', '.join(SAMPLING_RULES)}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+    if not is_finite_number(temperature) or temperature < 0:
         raise WeaverError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if draft_temperature is not None and (not is_finite_number(draft_temperature) or draft_temperature <= 0):
+        raise WeaverError(f"draft_temperature must be a finite number > 0 or null, got {draft_temperature!r}")
     check_prompt(target.cfg, prompt, max_new_tokens)
     if isinstance(drafter, Drafter):
         check_pair(target, drafter)
@@ -122,6 +123,7 @@ def speculative_generate(
     compiled: Compile = False,
     priority: AcceptanceTable | None = None,
     rescore: int | None = None,
+    draft_temperature: float | None = None,
 ) -> tuple[list[int], SpecStats]:
     """New tokens for one prompt with draft trees, plus acceptance statistics.
 
@@ -137,7 +139,10 @@ def speculative_generate(
     rank the tree's nodes by this table's estimate of how often the rule reaches them (`weaver.calibration`),
     which this call keeps learning from its steps (pass one table across a run's prompts); None: by draft
     probability. rescore: greedy Weaver trees in one adapter call, from the drafter's best `rescore` x budget
-    nodes (`weaver.builders.rescored_weaver_tree`); None: the wave search.
+    nodes (`weaver.builders.rescored_weaver_tree`); None: the wave search. draft_temperature: with `rrs`, draw the
+    trees from the draft distribution (drafter or adapter) at this temperature instead of `temperature`; rejection
+    sampling is lossless for any draft distribution, so only acceptance changes (a sharper draft, < temperature,
+    is accepted more often when the drafter is weak).
 
     Bad input (`check_request`) raises `WeaverError` before any model runs; so do NaN/inf logits of the
     target or the drafter (and NaN scores of the adapter), naming the step, instead of a wrong token.
@@ -145,7 +150,7 @@ def speculative_generate(
     if children is None:
         children = default_children(adapter.cfg.pool_size if adapter is not None else None)
     max_budget = check_request(target, drafter, prompt, max_new_tokens, temperature, method, budget, adapter, sampling,
-                               children, nodes_per_call, rescore)
+                               children, nodes_per_call, rescore, draft_temperature)
     planner = budget if isinstance(budget, BudgetPlanner) else None
     budget = max_budget
     device = target.embed.weight.device
@@ -159,6 +164,7 @@ def speculative_generate(
     anchor, hidden = sample_next(out.logits[:, -1], temperature, generator), out.hidden[0, -1]
     rule = SAMPLING_RULES[sampling] if temperature > 0 else None  # None: greedy acceptance
     drawn = rule is not None and rule.draws_trees
+    tree_temperature = (draft_temperature or temperature) if drawn else 1.0
     scored_by_adapter = "adapter" in tree_method(method).needs
     new, stats = [int(anchor)], SpecStats()
     clock = PhaseClock(stats.seconds, device)
@@ -172,7 +178,7 @@ def speculative_generate(
         check_finite(draft.logits, "the drafter's logits", f"at speculative step {step}")
         clock.lap("draft")
         proposal = propose(method, StepInputs(int(anchor), draft, hidden, target, cache, adapter), SearchConfig(
-            step_budget, children, nodes_per_call, generator if drawn else None, temperature if drawn else 1.0, compiled,
+            step_budget, children, nodes_per_call, generator if drawn else None, tree_temperature, compiled,
             anytime=planner is not None, priority=priority if drawn else None, rescore=rescore))
         tree = proposal.tree
         if scored_by_adapter:

@@ -43,7 +43,7 @@ from weaver.eval.tracking import log_eval_run, wandb_enabled
 from weaver.generate import generate
 from weaver.io import writable_dir
 from weaver.models.compile import inductor_mode
-from weaver.models.config import check_context, is_count
+from weaver.models.config import check_context, is_count, is_finite_number
 from weaver.models.linear import use_prepacked_weights
 
 Models = dict[str, Any]  # "target", whatever the selected methods need ("drafter", ...), "step_costs" (budget: auto)
@@ -162,7 +162,8 @@ def _decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, gene
     search = cfg.weaver.search
     priority = RRS_PRIORITIES[e.rrs_priority]()  # one table learns across the run's prompts
     options = dict(sampling=e.sampling, children=search.children, nodes_per_call=search.nodes_per_call,
-                   rescore=search.rescore, compiled=e.compile, priority=priority, **extra)
+                   rescore=search.rescore, compiled=e.compile, priority=priority,
+                   draft_temperature=e.draft_temperature, **extra)
     max_new_tokens = max_new_tokens or e.max_new_tokens
     return lambda prompt, budget: speculative_generate(models["target"], models["drafter"], prompt, max_new_tokens,
                                                        e.temperature, eos, generator, method, budget, **options)
@@ -228,6 +229,9 @@ def check_names(cfg: DictConfig) -> None:
         raise WeaverError(f"eval.seed must be a whole number >= 0, got {cfg.eval.seed!r}")
     if cfg.eval.rrs_priority not in RRS_PRIORITIES:
         raise WeaverError(f"eval.rrs_priority must be one of {list(RRS_PRIORITIES)}, got {cfg.eval.rrs_priority!r}")
+    draft_t = cfg.eval.draft_temperature
+    if draft_t is not None and (not is_finite_number(draft_t) or draft_t <= 0):
+        raise WeaverError(f"eval.draft_temperature must be a finite number > 0 or null, got {draft_t!r}")
     if not isinstance(cfg.eval.prepack, bool):
         raise WeaverError(f"eval.prepack must be true or false, got {cfg.eval.prepack!r}")
     if "auto" in cfg.eval.budgets:

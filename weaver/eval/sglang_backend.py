@@ -68,6 +68,9 @@ def check_sglang_eval(cfg: DictConfig) -> None:
         raise WeaverError(f"eval.backend=sglang measures {list(ALGORITHMS)}, not {unsupported}")
     if any(not is_count(b) for b in e.budgets):
         raise WeaverError(f"eval.backend=sglang needs fixed budgets (whole numbers >= 1), got {list(e.budgets)}")
+    if e.draft_temperature is not None:
+        raise WeaverError("eval.backend=sglang draws trees at each request's own temperature; "
+                          "eval.draft_temperature is a setting of the torch backend")
     if not e.sglang.concurrency or any(not is_count(c) for c in e.sglang.concurrency):
         raise WeaverError(f"eval.sglang.concurrency must list whole numbers >= 1, got {e.sglang.concurrency}")
 

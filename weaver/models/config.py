@@ -6,6 +6,7 @@ means adding one `from_hf` case here and its weight mapping in `checkpoint.py`.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -123,6 +124,11 @@ def _positive_int_or_none(value: Any) -> int | None:
 def is_count(value: Any, minimum: int = 1) -> bool:
     """A whole number (not a bool, not a float) of at least `minimum`."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
+def is_finite_number(value: Any) -> bool:
+    """A real number (not a bool) that is neither NaN nor infinite."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_context(cfg: TargetConfig, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
