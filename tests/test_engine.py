@@ -184,7 +184,8 @@ def test_a_method_added_by_one_registry_entry_is_decoded_and_evaluated(target, p
                                       method="sharpened", budget=6)
     assert out == ref and sum(stats.accepted) > 0
     cfg = OmegaConf.create({"eval": {"methods": ["ar", "sharpened"], "datasets": [], "budgets": [4, 8], "seed": 0,
-                                     "backend": "torch", "rrs_priority": "draft", "compile": False, "prepack": True},
+                                     "backend": "torch", "rrs_priority": "draft", "draft_temperature": None, "compile": False,
+                                     "prepack": True},
                              "prompt_sets": {}})
     check_names(cfg)
     assert method_spec("sharpened").budgets(cfg, {}) == [4, 8] and method_spec("sharpened").needs == ("drafter",)
