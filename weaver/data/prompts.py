@@ -99,6 +99,47 @@ def _public_functions(module: ast.Module) -> Iterator[tuple[str, ast.FunctionDef
                     yield f"{node.name}.", item
 
 
+# Chat-style requests on a passage: writing, rewriting, extraction, explanation, role play (our own wording).
+PROSE_REQUESTS = (
+    "Summarize the passage above in two or three sentences.",
+    "Rewrite the passage above in plain, modern English for a general reader.",
+    "List the main points of the passage above as short bullet points.",
+    "Write a short blog post inspired by the passage above.",
+    "Explain the passage above to a curious ten-year-old.",
+    "Write a short poem about the ideas in the passage above.",
+    "Imagine you are the author of the passage above and answer a reader who disagrees with it.",
+    "Draft a friendly email to a colleague recommending the passage above, saying why it is worth reading.",
+    "What are two questions a student might ask after reading the passage above? Answer both.",
+    "Give the passage above a title, then describe its tone and intended audience.",
+    "Continue the passage above with one more paragraph in the same style.",
+    "Do you agree with the passage above? Give a short, balanced opinion.",
+)
+
+
+def _prose_requests(spec: DictConfig, cfg: DictConfig) -> datasets.Dataset:
+    """Chat-style requests about a passage of prose, an offline stand-in for chat data (UltraChat, ShareGPT):
+    paragraphs of the public-domain story that reasoning_gym ships (Verne's "In the Year 2889") and of
+    Python's own language reference (`pydoc_data.topics`), each followed by one of PROSE_REQUESTS in turn."""
+    from pydoc_data.topics import topics
+
+    story = package_file("reasoning_gym", "data/in_the_year_2889.txt").read_text(encoding="utf-8")
+    story = story.split("*** START OF")[1].split("\n", 1)[1].split("*** END OF")[0]
+    passages = [p for text in (story, *topics.values()) for p in _prose_paragraphs(text)]
+    prompts = [f"Here is a passage:\n\n{p}\n\n{PROSE_REQUESTS[i % len(PROSE_REQUESTS)]}" for i, p in enumerate(passages)]
+    return datasets.Dataset.from_dict({"prompt": prompts})
+
+
+def _prose_paragraphs(text: str, min_words: int = 25, max_words: int = 70) -> Iterator[str]:
+    """The paragraphs of running prose in a text (no indented code, grammar or headings), whitespace joined."""
+    for block in text.split("\n\n"):
+        lines = block.strip("\n").splitlines()
+        if not lines or any(line.startswith((" ", "\t", "*", "=", "[", "-")) for line in lines):
+            continue
+        words = block.split()
+        if min_words <= len(words) <= max_words and "::=" not in block:
+            yield " ".join(words)
+
+
 def _heldout_code(spec: DictConfig, cfg: DictConfig) -> datasets.Dataset:
     """Held-out rows of the tiny target's own corpus (files never seen in pretraining), already tokenized."""
     from weaver.pipeline import artifact_dir
@@ -144,6 +185,7 @@ LOADERS: dict[str, Callable[[DictConfig, DictConfig], datasets.Dataset]] = {
     "mtbench": _mtbench,
     "reasoning_gym": _reasoning_gym,
     "stdlib_functions": _stdlib_functions,
+    "prose_requests": _prose_requests,
     "heldout_code": _heldout_code,
     "hub": _hub,
 }
