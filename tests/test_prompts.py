@@ -68,6 +68,20 @@ def test_stdlib_functions_are_implement_requests():
     assert len(rows) == 50 and all(p.startswith("Implement `") and " module: " in p for p in rows["prompt"])
 
 
+def test_prose_requests_are_chat_requests_on_running_prose():
+    from weaver.data.prompts import PROSE_REQUESTS
+
+    rows = load_prompt_set(cfg_with(), "train_prose")["prompt"]
+    assert len(rows) > 300 and rows == load_prompt_set(cfg_with(), "train_prose")["prompt"]
+    passages = [p.removeprefix("Here is a passage:\n\n").rsplit("\n\n", 1) for p in rows]
+    assert all(request in PROSE_REQUESTS for _, request in passages)
+    assert {request for _, request in passages} == set(PROSE_REQUESTS)
+    assert all(25 <= len(text.split()) <= 70 and "\n" not in text and "::=" not in text for text, _ in passages)
+    assert any("Fritz Napoleon Smith" in text for text, _ in passages)  # the story, without its licence header
+    assert any("namespace" in text for text, _ in passages)             # the language reference
+    assert not any("Gutenberg" in text for text, _ in passages)
+
+
 def test_unknown_reasoning_gym_task_is_one_clear_error():
     with pytest.raises(WeaverError, match="reasoning_gym cannot make task 'no_such_task'"):
         load_prompt_set(cfg_with(bad={"kind": "reasoning_gym", "task": "no_such_task", "seed": 0, "size": 2}), "bad")

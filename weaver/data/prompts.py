@@ -21,6 +21,7 @@ import gzip
 import importlib.util
 import itertools
 import json
+import re
 import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -130,14 +131,26 @@ def _prose_requests(spec: DictConfig, cfg: DictConfig) -> datasets.Dataset:
 
 
 def _prose_paragraphs(text: str, min_words: int = 25, max_words: int = 70) -> Iterator[str]:
-    """The paragraphs of running prose in a text (no indented code, grammar or headings), whitespace joined."""
+    """Passages of running prose in a text (no indented code, grammar or headings): paragraphs, the long ones cut
+    at sentence ends into runs of at most `max_words` words, whitespace joined."""
     for block in text.split("\n\n"):
         lines = block.strip("\n").splitlines()
-        if not lines or any(line.startswith((" ", "\t", "*", "=", "[", "-")) for line in lines):
+        if not lines or "::=" in block or any(line.startswith((" ", "\t", "*", "=", "[", "-")) for line in lines):
             continue
-        words = block.split()
-        if min_words <= len(words) <= max_words and "::=" not in block:
-            yield " ".join(words)
+        yield from (run for run in _sentence_runs(" ".join(block.split()), max_words)
+                    if min_words <= len(run.split()) <= max_words)
+
+
+def _sentence_runs(text: str, max_words: int) -> Iterator[str]:
+    """Consecutive sentences of a text grouped into runs of at most `max_words` words (a longer sentence alone)."""
+    run: list[str] = []
+    for sentence in re.split(r"(?<=[.!?])\s+", text):
+        if run and len(" ".join(run + [sentence]).split()) > max_words:
+            yield " ".join(run)
+            run = []
+        run.append(sentence)
+    if run:
+        yield " ".join(run)
 
 
 def _heldout_code(spec: DictConfig, cfg: DictConfig) -> datasets.Dataset:
