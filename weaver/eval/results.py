@@ -27,6 +27,7 @@ from statistics import fmean, stdev
 
 from filelock import FileLock
 
+from weaver.acceptance import SAMPLING_RULES
 from weaver.errors import WeaverError
 from weaver.io import atomic_write_json, atomic_write_text, writable_dir
 
@@ -73,17 +74,21 @@ def result_row(cfg, dataset: str, method: str, budget: int | None, r: dict, ar: 
     }
 
 
+def draws_trees(e) -> bool:
+    """Whether the run's trees were drawn from the draft distribution (sampling with a rule that draws them)."""
+    return e.temperature > 0 and SAMPLING_RULES[e.sampling].draws_trees
+
+
 def tree_priority(e) -> str | None:
-    """How the run's sampled (rrs) trees ranked their nodes, when not by draft probability (the default, None: rows
+    """How the run's drawn trees ranked their nodes, when not by draft probability (the default, None: rows
     written before `eval.rrs_priority` existed are those): `acceptance` (weaver/calibration.py)."""
-    return e.rrs_priority if e.temperature > 0 and e.sampling == "rrs" and e.rrs_priority != "draft" else None
+    return e.rrs_priority if draws_trees(e) and e.rrs_priority != "draft" else None
 
 
 def draft_temperature(e) -> float | None:
-    """The temperature rrs trees were drawn at, when not the sampling temperature (None: rows written before
+    """The temperature drawn trees were drawn at, when not the sampling temperature (None: rows written before
     `eval.draft_temperature` existed are those)."""
-    drawn = e.temperature > 0 and e.sampling == "rrs"
-    return e.draft_temperature if drawn and e.draft_temperature not in (None, e.temperature) else None
+    return e.draft_temperature if draws_trees(e) and e.draft_temperature not in (None, e.temperature) else None
 
 
 RUN_FIELDS = ("run_id", "dataset", "method", "budget", "backend", "concurrency")  # one row per measurement of a run
