@@ -144,11 +144,13 @@ def _prose_paragraphs(text: str, min_words: int = 25, max_words: int = 70) -> It
 def _sentence_runs(text: str, max_words: int) -> Iterator[str]:
     """Consecutive sentences of a text grouped into runs of at most `max_words` words (a longer sentence alone)."""
     run: list[str] = []
+    words = 0
     for sentence in re.split(r"(?<=[.!?])\s+", text):
-        if run and len(" ".join(run + [sentence]).split()) > max_words:
+        if run and words + len(sentence.split()) > max_words:
             yield " ".join(run)
-            run = []
+            run, words = [], 0
         run.append(sentence)
+        words += len(sentence.split())
     if run:
         yield " ".join(run)
 
