@@ -22,6 +22,8 @@ from weaver.errors import WeaverError
 from weaver.models.checkpoint import load_target
 from weaver.models.drafter import Drafter, default_target_layers, depth_bucket
 from weaver.models.drafter_checkpoint import drafter_config, load_drafter, new_drafter_config, save_drafter
+from weaver.models.target import TargetModel
+from weaver.train.drafter import init_from_target, rope_theta
 
 MASK = VOCAB - 1
 HIDDEN = 64  # hf_tiny's hidden size
@@ -521,3 +523,81 @@ def test_heldout_rollouts_are_not_trained_on_and_report_top1_and_chain_length(sm
     with pytest.raises(WeaverError, match="drafter.train.heldout_rollouts must be a whole number from 0 to 47"):
         drafter_stage.train_drafter(config("drafter.train.heldout_rollouts=48"), target, tokenizer,
                                     artifact_dir(cfg, "rollouts"), tmp_path / "b", tmp_path / "b.work")
+
+
+def deep_target(model_type: str, folder) -> TargetModel:
+    """A random 4-layer dense target (llama: no q/k norms; qwen3: with them)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_tiny import tiny_config
+
+    config = tiny_config(model_type)
+    config.num_hidden_layers = 4
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention"] * 4
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    perturb_(hf, torch.Generator().manual_seed(3))
+    hf.save_pretrained(folder)
+    return load_target(str(folder))
+
+
+def drafter_from_target(target: TargetModel) -> Drafter:
+    hf_cfg = new_drafter_config(target, num_layers=2, block_size=5, mask_token_id=MASK, target_layer_ids=(1, 0),
+                                rope_theta=rope_theta(target.cfg))
+    drafter = Drafter(drafter_config(hf_cfg)).eval()
+    perturb_(drafter, torch.Generator().manual_seed(5))
+    assert init_from_target(drafter, target) == (2, 3)
+    return drafter
+
+
+@torch.no_grad()
+def test_a_drafter_started_from_the_target_computes_its_last_layers(tmp_path):
+    """init=target: each drafter layer, run causally over the states the target's layer before it wrote, writes
+    what that target layer wrote (norms, q/k/v/o, MLP and RoPE copied), and the context features are the
+    deepest tap as the first copied layer normed it."""
+    target = deep_target("qwen3", tmp_path)
+    drafter = drafter_from_target(target)
+    T = 9
+    states = target_states(target, torch.randint(3, VOCAB, (1, T), generator=torch.Generator().manual_seed(1)))
+    rope = drafter.rope(torch.arange(T)[None])
+    no_context = torch.zeros(1, target.cfg.num_kv_heads, 0, target.cfg.head_dim)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    for layer, i in zip(drafter.layers, (2, 3)):
+        out = layer(states[i - 1], rope, (no_context, no_context), causal)
+        torch.testing.assert_close(out, states[i], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(drafter.context([states[1], states[0]]), target.layers[2].input_norm(states[1]),
+                               rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_drafter_started_from_a_llama_target_copies_all_but_the_qk_norms_it_lacks(tmp_path):
+    """DFlash layers norm q and k per head, a Llama's do not: those norms start at one, the rest is copied."""
+    target = deep_target("llama", tmp_path)
+    drafter = drafter_from_target(target)
+    x = torch.randn(3, HIDDEN)
+    for layer, source in zip(drafter.layers, target.layers[2:]):
+        q, kv = source.mixer.qkv(x).split([source.mixer.q_width, layer.attn.kv.weight.shape[0]], -1)
+        torch.testing.assert_close(layer.attn.q(x), q)
+        torch.testing.assert_close(layer.attn.kv(x), kv)
+        torch.testing.assert_close(layer.attn.o(x), source.mixer.o(x))
+        torch.testing.assert_close(layer.mlp(layer.post_norm(x)), source.mlp(source.post_norm(x)))
+        torch.testing.assert_close(layer.input_norm(x), source.input_norm(x))
+        assert torch.equal(layer.attn.q_norm.weight, torch.ones(target.cfg.head_dim))
+
+
+@torch.no_grad()
+def test_a_drafter_started_from_a_hybrid_target_takes_its_attention_layer_without_the_gate(target):
+    drafter = Drafter(drafter_config(new_drafter_config(target, 1, 5, MASK, target_layer_ids=(1,)))).eval()
+    assert init_from_target(drafter, target) == (2,)  # the hybrid's only attention layer
+    x = torch.randn(3, HIDDEN)
+    source = target.layers[2].mixer
+    H, D = target.cfg.num_heads, target.cfg.head_dim
+    query_and_gate = source.qkv(x)[:, : source.q_width].view(3, H, 2 * D)
+    torch.testing.assert_close(drafter.layers[0].attn.q(x), query_and_gate[..., :D].reshape(3, H * D))
+    two = Drafter(drafter_config(new_drafter_config(target, 2, 5, MASK, target_layer_ids=(1,))))
+    with pytest.raises(WeaverError, match="the target has 1 attention layers"):
+        init_from_target(two, target)
+    narrow = Drafter(drafter_config(new_drafter_config(target, 1, 5, MASK, target_layer_ids=(1,), intermediate_size=32)))
+    with pytest.raises(WeaverError, match="needs their shape"):
+        init_from_target(narrow, target)

@@ -28,11 +28,14 @@ if TYPE_CHECKING:
     from weaver.models.target import TargetModel
 
 
+DEFAULT_ROPE_THETA = 1e6  # z-lab's drafters'
+
+
 def new_drafter_config(
     target: TargetModel, num_layers: int, block_size: int, mask_token_id: int, num_taps: int = 5,
     target_layer_ids: tuple[int, ...] | None = None, intermediate_size: int | None = None,
     num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
-    rope_theta: float = 1e6, tokenizer_sha256: str | None = None, draft_vocab_size: int | None = None,
+    rope_theta: float = DEFAULT_ROPE_THETA, tokenizer_sha256: str | None = None, draft_vocab_size: int | None = None,
 ) -> Qwen3Config:
     """A DFlash-format config for a fresh drafter sized to `target` (hidden size and vocab are the target's);
     tokenizer_sha256: the fingerprint of the target's tokenizer, checked when the drafter is loaded;

@@ -28,7 +28,8 @@ from weaver.data.states import ConcatStates, StoredStates, right_pad
 from weaver.errors import WeaverError
 from weaver.models.checkpoint import check_tokenizer, tokenizer_fingerprint
 from weaver.models.drafter import Drafter
-from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config, save_drafter
+from weaver.models.config import TargetConfig
+from weaver.models.drafter_checkpoint import DEFAULT_ROPE_THETA, drafter_config, new_drafter_config, save_drafter
 from weaver.models.layers import init_weights
 from weaver.models.target import TargetModel
 from weaver.train.common import fit, heldout_metrics, make_accelerator, split_heldout, write_artifact
@@ -194,6 +195,62 @@ def flag_read_text(collate: Callable[[list[dict]], tuple], n_rollouts: int) -> C
     return collate_with_source
 
 
+DRAFTER_INITS = ("random", "target")
+
+
+def rope_theta(cfg: TargetConfig) -> float:
+    """The base of the target's rotary frequencies, read back from them (inv_freq[i] = theta^(-2i/dim)): a
+    drafter started from the target's layers rotates its queries and keys as they did (exact for default
+    RoPE over the whole head; for scaled or partial RoPE the nearest plain base)."""
+    return float(f"{cfg.inv_freq[1].double() ** (-len(cfg.inv_freq)):.6g}")  # 10000, not 10000.0005
+
+
+def init_from_target(drafter: Drafter, target: TargetModel) -> tuple[int, ...]:
+    """Start the drafter's layers as copies of the target's last attention layers (norms, q/k/v/o, MLP; an
+    output gate is dropped; q/k norms, which DFlash layers have and a Llama's lack, start at one) and its context projection as the deepest tap passed through, the input those
+    layers saw in the target: a drafter trained on a CPU's few rollouts starts from the target's features
+    instead of noise. Returns the target layers copied."""
+    t, body = target.cfg, drafter.cfg.body
+    n = len(drafter.layers)
+    attention = [i for i, kind in enumerate(t.layer_types) if kind == "full_attention"][-n:]
+    shape, target_shape = ((c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size) for c in (body, t))
+    if len(attention) < n or shape != target_shape:
+        raise WeaverError(
+            f"drafter.train.init=target copies {n} of the target's attention layers and needs their shape (heads, kv "
+            f"heads, head dim, MLP width) {target_shape}: the target has {len(attention)} attention layers, the "
+            f"drafter's shape is {shape}")
+    H, Hkv, D = t.num_heads, t.num_kv_heads, t.head_dim
+
+    def scale(norm: torch.nn.Module) -> torch.Tensor:
+        return norm.weight + norm.offset
+
+    with torch.no_grad():
+        for layer, source in zip(drafter.layers, (target.layers[i] for i in attention)):
+            attn = source.mixer
+            q, kv = attn.qkv.weight.split([attn.q_width, 2 * Hkv * D])
+            if t.attn_output_gate:  # per head [query | gate]: keep the query
+                q = q.view(H, 2 * D, -1)[:, :D].reshape(H * D, -1)
+            layer.attn.q.weight.copy_(q)
+            layer.attn.kv.weight.copy_(kv)
+            layer.attn.o.weight.copy_(attn.o.weight)
+            if t.attention_bias:
+                q_bias, kv_bias = attn.qkv.bias.split([attn.q_width, 2 * Hkv * D])
+                layer.attn.q.bias.copy_(q_bias.view(H, -1)[:, :D].flatten())
+                layer.attn.kv.bias.copy_(kv_bias)
+                layer.attn.o.bias.copy_(attn.o.bias)
+            for name in ("q_norm", "k_norm"):
+                getattr(layer.attn, name).weight.copy_(scale(getattr(attn, name)) if t.qk_norm else 1.0)
+            layer.input_norm.weight.copy_(scale(source.input_norm))
+            layer.post_norm.weight.copy_(scale(source.post_norm))
+            layer.mlp.load_state_dict(source.mlp.state_dict())
+        taps = drafter.cfg.target_layer_ids
+        deepest = taps.index(max(taps))
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, deepest * t.hidden_size : (deepest + 1) * t.hidden_size].copy_(torch.eye(t.hidden_size))
+        drafter.hidden_norm.weight.copy_(scale(target.layers[attention[0]].input_norm))
+    return tuple(attention)
+
+
 def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir: Path, out_dir: Path, work_dir: Path,
                   states_dir: Path | None = None, text_dir: Path | None = None) -> dict:
     """Train the drafter described by cfg.drafter on the rollouts (and the text the target read, `text_dir`);
@@ -204,13 +261,19 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
     if mask_id is None or mask_id == tokenizer.unk_token_id:
         raise WeaverError(f"mask token '{d.mask_token}' is not in the target's vocabulary")
     # the tokenizer's fingerprint goes into config.json: loading checks it against the target's tokenizer
+    if train.init not in DRAFTER_INITS:
+        raise WeaverError(f"drafter.train.init must be one of {', '.join(DRAFTER_INITS)}, got {train.init!r}")
+    from_target = train.init == "target"
     hf_config = new_drafter_config(target, d.num_layers, d.block_size, mask_id, d.num_taps,
                                    intermediate_size=d.intermediate_size,
+                                   rope_theta=rope_theta(target.cfg) if from_target else DEFAULT_ROPE_THETA,
                                    tokenizer_sha256=tokenizer_fingerprint(tokenizer), draft_vocab_size=d.draft_vocab)
     rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
     torch.manual_seed(cfg.seed)
     drafter = Drafter(drafter_config(hf_config))
     init_weights(drafter, train.init_std)
+    if from_target:
+        init_from_target(drafter, target)
     if drafter.draft_vocab is not None:
         V = target.cfg.vocab_size
         counts = [token_counts(rows["response_ids"], V)]
