@@ -207,9 +207,10 @@ def rope_theta(cfg: TargetConfig) -> float:
 
 def init_from_target(drafter: Drafter, target: TargetModel) -> tuple[int, ...]:
     """Start the drafter's layers as copies of the target's last attention layers (norms, q/k/v/o, MLP; an
-    output gate is dropped; q/k norms, which DFlash layers have and a Llama's lack, start at one) and its context projection as the deepest tap passed through, the input those
-    layers saw in the target: a drafter trained on a CPU's few rollouts starts from the target's features
-    instead of noise. Returns the target layers copied."""
+    output gate is dropped; q/k norms, which DFlash layers have and a Llama's lack, start at one) and its
+    context projection as the deepest tap passed through, the input those layers saw in the target: a drafter
+    trained on a CPU's few rollouts starts from the target's features instead of noise. Returns the target
+    layers copied."""
     t, body = target.cfg, drafter.cfg.body
     n = len(drafter.layers)
     attention = [i for i, kind in enumerate(t.layer_types) if kind == "full_attention"][-n:]
@@ -260,10 +261,10 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
     mask_id = tokenizer.convert_tokens_to_ids(d.mask_token)
     if mask_id is None or mask_id == tokenizer.unk_token_id:
         raise WeaverError(f"mask token '{d.mask_token}' is not in the target's vocabulary")
-    # the tokenizer's fingerprint goes into config.json: loading checks it against the target's tokenizer
     if train.init not in DRAFTER_INITS:
         raise WeaverError(f"drafter.train.init must be one of {', '.join(DRAFTER_INITS)}, got {train.init!r}")
     from_target = train.init == "target"
+    # the tokenizer's fingerprint goes into config.json: loading checks it against the target's tokenizer
     hf_config = new_drafter_config(target, d.num_layers, d.block_size, mask_id, d.num_taps,
                                    intermediate_size=d.intermediate_size,
                                    rope_theta=rope_theta(target.cfg) if from_target else DEFAULT_ROPE_THETA,
