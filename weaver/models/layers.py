@@ -25,8 +25,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps, self.offset = eps, offset
 
+    @property
+    def scale(self) -> torch.Tensor:
+        """The effective per-channel scale, offset included."""
+        return self.weight + self.offset if self.offset else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight + self.offset if self.offset else self.weight, self.eps)
+        return rms_norm(x, self.scale, self.eps)
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:

@@ -222,9 +222,6 @@ def init_from_target(drafter: Drafter, target: TargetModel) -> tuple[int, ...]:
             f"drafter's shape is {shape}")
     H, Hkv, D = t.num_heads, t.num_kv_heads, t.head_dim
 
-    def scale(norm: torch.nn.Module) -> torch.Tensor:
-        return norm.weight + norm.offset
-
     with torch.no_grad():
         for layer, source in zip(drafter.layers, (target.layers[i] for i in attention)):
             attn = source.mixer
@@ -240,15 +237,15 @@ def init_from_target(drafter: Drafter, target: TargetModel) -> tuple[int, ...]:
                 layer.attn.kv.bias.copy_(kv_bias)
                 layer.attn.o.bias.copy_(attn.o.bias)
             for name in ("q_norm", "k_norm"):
-                getattr(layer.attn, name).weight.copy_(scale(getattr(attn, name)) if t.qk_norm else 1.0)
-            layer.input_norm.weight.copy_(scale(source.input_norm))
-            layer.post_norm.weight.copy_(scale(source.post_norm))
+                getattr(layer.attn, name).weight.copy_(getattr(attn, name).scale if t.qk_norm else 1.0)
+            layer.input_norm.weight.copy_(source.input_norm.scale)
+            layer.post_norm.weight.copy_(source.post_norm.scale)
             layer.mlp.load_state_dict(source.mlp.state_dict())
         taps = drafter.cfg.target_layer_ids
         deepest = taps.index(max(taps))
         drafter.fc.weight.zero_()
         drafter.fc.weight[:, deepest * t.hidden_size : (deepest + 1) * t.hidden_size].copy_(torch.eye(t.hidden_size))
-        drafter.hidden_norm.weight.copy_(scale(target.layers[attention[0]].input_norm))
+        drafter.hidden_norm.weight.copy_(target.layers[attention[0]].input_norm.scale)
     return tuple(attention)
 
 
@@ -282,7 +279,7 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
             counts.append(corpus_token_counts(d.draft_vocab_corpus, tokenizer, V))
         drafter.draft_vocab.copy_(frequent_tokens(counts, d.draft_vocab))
     with torch.no_grad():  # start from the target's own output scale (docs/method.md: the target's final norm)
-        drafter.norm.weight.copy_(target.norm.weight + target.norm.offset)
+        drafter.norm.weight.copy_(target.norm.scale)
     target.requires_grad_(False)
     accelerator = make_accelerator(cfg, f"{cfg.experiment}-drafter", train.precision)
     target.to(accelerator.device)
