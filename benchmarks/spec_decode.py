@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -105,6 +106,7 @@ def main() -> None:
             "run": label, "method": method, "budget": budget, "tau": tau, "tokens_per_s": statistics.median(speed[label]),
             "vs_ar": vs_ar, "vs_chain": median_ratios(speed, label, chain) if chain else None, "efficiency": vs_ar / tau,
             "best": best[method] == label, "mean_budget": statistics.median(r["mean_budget"] for r in results[label]),
+            "budget_steps": dict(sum((Counter(r["budget_steps"]) for r in results[label]), Counter())),
             **{k: statistics.median(r[k] for r in results[label]) for k in SHARES},
         })
 
@@ -116,7 +118,9 @@ def main() -> None:
     for r in rows:
         name = f"**{r['run']}**" if r.get("best") and args.best else r["run"]
         if r["budget"] == "auto":
-            name += f" (mean budget {r['mean_budget']:.1f})"
+            steps = sum(r["budget_steps"].values())
+            mix = ", ".join(f"{b}: {n / steps:.0%}" for b, n in sorted(r["budget_steps"].items()))
+            name += f" (mean budget {r['mean_budget']:.1f}; steps at {mix})"
         split = " | ".join(f"{r[k]:.0%}" if k in r else "" for k in SHARES)
         vs_chain = f"{r['vs_chain']:.2f}x" if r["vs_chain"] is not None else "-"
         print(f"| {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | {vs_chain} | "

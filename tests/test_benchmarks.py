@@ -40,6 +40,9 @@ def test_best_budget_sweep_writes_rows(smoke_outputs, tmp_path):
     assert sum(r["best"] for r in rows.values() if r["method"] == "ddtree") == 1
     auto = rows["ddtree:auto"]
     assert auto["efficiency"] == pytest.approx(auto["vs_ar"] / auto["tau"]) and 1 <= auto["mean_budget"] <= 4
+    steps = {int(b): n for b, n in auto["budget_steps"].items()}  # one round: its mix gives its mean budget
+    assert sum(b * n for b, n in steps.items()) / sum(steps.values()) == pytest.approx(auto["mean_budget"])
+    assert "(mean budget" in done.stdout and "; steps at " in done.stdout
     assert sum(auto[f"{p}_share"] for p in ("draft", "search", "verify", "accept", "commit", "other")) == pytest.approx(1)
 
 

@@ -62,8 +62,19 @@ def test_the_planner_picks_the_best_tokens_per_second():
     assert accepted[2] == pytest.approx(2, abs=0.05) and accepted[8] == pytest.approx(4, abs=0.05)
     assert accepted[32] == pytest.approx(accepted[8] + 2)  # the gain 8 -> 32 seen once stays
     assert planner.best() == 8
-    budgets = [planner.next_budget() for _ in range(8)]
-    assert budgets.count(32) == 2 and budgets.count(8) == 6  # every 4th step explores the next larger one
+
+
+def test_exploration_backs_off_while_the_choice_holds_and_restarts_when_it_moves():
+    planner = BudgetPlanner({2: 1.0, 8: 1.4, 32: 4.0}, explore_every=4)
+    planner.next_budget()  # the largest, first
+    planner.observe(32, [1, 3, 9, 20])  # best: 8
+    explored = [step for step in range(2, 200) if planner.next_budget() == 32]
+    assert explored == [6, 14, 30, 62, 126, 190]  # 4 steps after the choice moved to 8, then 8, 16, 32, 64, 64 (16 x 4)
+    for _ in range(40):
+        planner.observe(8, [1])  # nodes beyond budget 2 stop being accepted: 2 wins
+    assert planner.best() == 2
+    budgets = [planner.next_budget() for _ in range(5)]
+    assert budgets == [2, 2, 2, 2, 8]  # the new choice is explored above 4 steps after it was made
 
 
 def test_rarely_seen_budgets_borrow_the_frequent_level():

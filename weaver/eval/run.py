@@ -19,6 +19,7 @@ summary.md and the figures are rebuilt from every row in the file (`weaver.eval.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,7 @@ def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, e
         "tau": total.tau, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs,
         **shares, "other_share": 1 - sum(shares.values()),
         "mean_budget": sum(total.budgets) / max(1, len(total.budgets)),
+        "budget_steps": dict(sorted(Counter(total.budgets).items())),  # steps taken at each budget
         "accept_hist": torch.bincount(torch.tensor(total.accepted, dtype=torch.long), minlength=drafter.cfg.block_size).tolist(),
     }
 
