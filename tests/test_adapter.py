@@ -126,10 +126,11 @@ def test_rescored_tree_keeps_the_adapters_best_candidates(target, drafter, budge
 @torch.inference_mode()
 def test_compiled_search_step_builds_the_eager_tree(target, drafter):
     """`WeaverAdapter.scorer(compiled=True)`: one torch.compile graph (dynamic shapes) for every wave size
-    and budget, the same trees as the eager adapter step."""
+    and budget, the same trees as the eager adapter step; and the rescored tree's whole selection as one graph
+    per budget (`weaver.static_trees.rescorer`), the same trees as eager."""
     adapter = make_adapter(target)
     logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [5, 9, 3, 7])
-    for budget, per_call, rescore in ((6, 1, None), (13, 3, None), (7, None, 3)):
+    for budget, per_call, rescore in ((6, 1, None), (13, 3, None), (7, None, 3), (2, None, 4)):
         step = as_step(target, adapter, logits, hidden, target_hidden, anchor)
         eager, compiled = (weaver_tree(step, SearchConfig(budget, 3, per_call, compiled=flag, rescore=rescore))
                            for flag in (False, True))

@@ -29,7 +29,7 @@ from weaver.acceptance import greedy_tree, recursive_rejection_tree, target_only
 from weaver.builders import SearchConfig, StepInputs, chain_tree, ddtree, max_tree_nodes, oracle_tree, weaver_tree
 from weaver.models.drafter import Draft, Drafter
 from weaver.search import Proposal
-from weaver.tree import Tree
+from weaver.tree import Tree, ancestor_matrix
 
 SEEDS = st.integers(0, 2**32 - 1)
 TEMPERATURES = st.sampled_from([0.5, 1.0, 2.0])
@@ -141,9 +141,9 @@ def test_sampling_rules_accept_a_root_path(problem, rule, temperature, seed):
 
 
 def depths_from_parents(parents: list[int]) -> list[int]:
-    depth = [0]
-    for parent in parents[1:]:
-        depth.append(depth[parent] + 1)
+    depth: list[int] = []
+    for parent in parents:  # -1: a child of the committed context
+        depth.append(0 if parent < 0 else depth[parent] + 1)
     return depth
 
 
@@ -165,6 +165,31 @@ def assert_well_formed(proposal: Proposal, budget: int, max_depth: int, vocab: i
         siblings = [tokens[child] for child in tree.children(node)]
         assert len(set(siblings)) == len(siblings), f"node {node} has repeated children {siblings}"
         assert all(float(proposal.child_probs[node][token]) > 0 for token in siblings)
+
+
+@st.composite
+def parent_lists(draw) -> list[int]:
+    """Parents of a random tree in topological order: node i hangs off an earlier node or the context (-1)."""
+    raw = draw(st.lists(st.integers(0, 10**6), min_size=1, max_size=40))
+    return [-1] + [r % (i + 1) - 1 for i, r in enumerate(raw[1:], start=1)]
+
+
+@given(parents=parent_lists())
+@settings(max_examples=300, deadline=None)
+def test_ancestor_matrix_in_fixed_passes_equals_walking_up(parents):
+    """`ancestor_matrix` with the depth bound (tensor ops only, what a compiled search traces) and without it
+    (passes until every chain ends) against walking each node's parents in Python."""
+    expected = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for node in range(len(parents)):
+        up = node
+        while up >= 0:
+            expected[node, up] = True
+            up = parents[up]
+    depth = max(depths_from_parents(parents))
+    p = torch.tensor(parents)
+    assert torch.equal(ancestor_matrix(p), expected) and torch.equal(ancestor_matrix(p, depth), expected)
+    if depth:  # one pass too few misses the deepest node's farthest ancestor
+        assert not torch.equal(ancestor_matrix(p, depth - 1), expected)
 
 
 @given(logits=draft_logits(), budget=st.integers(1, 40), method=st.sampled_from(["chain", "ddtree"]),
@@ -198,18 +223,21 @@ PROMPTS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10)
 
 
 @given(prompt=PROMPTS, budget=st.integers(1, 30), width=st.integers(1, POOL), per_call=st.integers(1, 6),
-       sampled=st.booleans(), temperature=TEMPERATURES, seed=SEEDS)
+       sampled=st.booleans(), temperature=TEMPERATURES, seed=SEEDS, rescore=st.sampled_from([None, None, 1, 2, 4]))
 @settings(max_examples=80, deadline=None)
 @torch.inference_mode()
 def test_weaver_builder_makes_well_formed_trees(target, drafter, adapter, prompt, budget, width, per_call, sampled,
-                                                temperature, seed):
+                                                temperature, seed, rescore):
     """weaver_tree over a random drafter's block and a random adapter: well-formed trees within the budget;
-    greedy ones hold min(budget, trees of depth D with `width` children per node)."""
+    greedy wave-search ones hold min(budget, trees of depth D with `width` children per node) (a rescored
+    tree holds the candidates among the adapter's `width` best, fewer when the drafter's are not)."""
     logits, hidden, target_hidden, anchor = step_inputs(target, drafter, prompt)
     proposal = weaver_tree(as_step(target, adapter, logits, hidden, target_hidden, anchor),
-                           SearchConfig(budget, width, per_call, generator_or_none(sampled, seed), temperature))
+                           SearchConfig(budget, width, per_call, generator_or_none(sampled, seed), temperature,
+                                        rescore=rescore))
     depth = len(logits)
-    assert_well_formed(proposal, budget, depth, VOCAB, None if sampled else max_tree_nodes(depth, width))
+    full = not sampled and rescore is None
+    assert_well_formed(proposal, budget, depth, VOCAB, max_tree_nodes(depth, width) if full else None)
 
 
 @given(prompt=PROMPTS, budget=st.integers(1, 16), max_depth=st.integers(1, 5), per_call=st.integers(1, 4),

@@ -18,7 +18,6 @@ ops instead of one wave per node and tested equal to the search (the chain, gree
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from weaver.models.adapter import AdapterCache, WeaverAdapter, draft_pools, expa
 from weaver.models.compile import Compile
 from weaver.models.drafter import Draft
 from weaver.search import ChildLogProbs, Grown, Proposal, best_first_tree
+from weaver.static_trees import best_paths_nodes, rescorer
 from weaver.tree import Tree
 
 if TYPE_CHECKING:
@@ -126,36 +126,17 @@ def ddtree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torc
 
 
 def best_paths(anchor: int, draft_logits: torch.Tensor, budget: int, temperature: float = 1.0) -> Proposal:
-    """The greedy DDTree, best first: the best-first search's tree (`marginal_tree`), node for node when no
-    two paths tie (tested; with ties, paths of the same scores).
-
-    A path scores at most its prefix (log-probs are <= 0), so the `budget` best nodes are closed under
-    prefixes, each is among the `budget` best of its depth, and its token among its depth's top `budget`:
-    a beam of `budget` nodes per depth, then one stable sort of all of them (ties: shallower first, so a
-    parent precedes its children and the anchor comes first). Every node above the last depth is listed
-    as expanded with its depth's full marginal (only sampling reads these, and it uses the search)."""
+    """The greedy DDTree, best first (`weaver.static_trees.best_paths_nodes`: a beam per depth, one sort): the
+    best-first search's tree (`marginal_tree`), node for node when no two paths tie (tested; with ties, paths of
+    the same scores). Every node above the last depth is listed as expanded with its depth's full marginal (only
+    sampling reads these, and it uses the search)."""
     depth = min(len(draft_logits), budget)
     log_marginals = (draft_logits[:depth].float() / temperature).log_softmax(-1)
-    top_logp, top_tokens = log_marginals.topk(min(budget, log_marginals.shape[-1]), dim=-1)  # (depth, k)
-    k, device = top_logp.shape[1], draft_logits.device
-    scores, parents = [torch.zeros(1, device=device)], [torch.full((1,), -1, device=device)]
-    tokens, depths = [torch.full((1,), anchor, device=device)], [torch.zeros(1, dtype=torch.long, device=device)]
-    beam, beam_ids = scores[0], torch.zeros(1, dtype=torch.long, device=device)  # depth d - 1's best nodes
-    for d in range(depth):
-        beam, index = (beam[:, None] + top_logp[d]).flatten().topk(min(budget, len(beam) * k))
-        scores.append(beam)
-        parents.append(beam_ids[index // k])
-        tokens.append(top_tokens[d, index % k])
-        depths.append(torch.full_like(index, d + 1))
-        beam_ids = beam_ids[-1] + 1 + torch.arange(len(index), device=device)
-    all_scores = torch.cat(scores)
-    order = all_scores.sort(descending=True, stable=True).indices[: budget + 1]
-    new_id = torch.full(all_scores.shape, -1, device=device)
-    new_id[order] = torch.arange(len(order), device=device)
-    old_parents, node_depths = torch.cat(parents)[order], torch.cat(depths)[order]
-    tree = Tree(torch.cat(tokens)[order], torch.where(old_parents >= 0, new_id[old_parents.clamp(min=0)], -1))
-    expanded = (node_depths < depth).nonzero().squeeze(-1)
-    return Proposal(tree, [(expanded, log_marginals[node_depths[expanded]], None)], draft_logits.shape[-1])
+    anchor_t = torch.full((1,), anchor, dtype=torch.long, device=draft_logits.device)
+    tokens, parents, depths = best_paths_nodes(anchor_t, *log_marginals.topk(min(budget, log_marginals.shape[-1]), dim=-1),
+                                               budget)
+    expanded = (depths < depth).nonzero().squeeze(-1)
+    return Proposal(Tree(tokens, parents), [(expanded, log_marginals[depths[expanded]], None)], draft_logits.shape[-1])
 
 
 def oracle_tree(step: StepInputs, search: SearchConfig) -> Proposal:
@@ -209,51 +190,26 @@ def rescored_weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     The wave search needs one adapter call per wave because a node's children are only known once the node
     is scored; on a CPU each call is a graph of ~50 small kernels (0.6 ms for SmolLM2's adapter, whatever the
     number of nodes), so a budget-4 search made of four calls cost as much as the drafter's whole block.
-    Here the candidates are fixed in advance, and every one is scored at once, attending to its ancestors
-    among them. A candidate's adapter log-prob is its token's in its parent's pool distribution (-inf if the
-    token is not among the parent's `children` best); its path score, the sum along its path, never exceeds
-    its parent's, so the best `budget` candidates form a tree (ties: the earlier candidate, a parent before
-    its children). The result is the wave search's tree restricted to nodes the drafter's marginals also
-    rank among their best `rescore` x budget: equal to it when those hold it, as the measured τ shows
-    (README). Sampling keeps the wave search: its children must be drawn from the adapter's distribution.
+    Here the candidates are fixed in advance and every one is scored at once, attending to its ancestors
+    among them (`weaver.static_trees.rescore_candidates`; with `search.compiled` the whole selection is one
+    graph). The result is the wave search's tree restricted to nodes the drafter's marginals also rank among
+    their best `rescore` x budget: equal to it when those hold it, as the measured τ shows (README). Sampling
+    keeps the wave search: its children must be drawn from the adapter's distribution.
     """
     adapter, target, draft_logits = _adapter_of(step), step.target, step.draft.logits[0]
     depth = min(len(draft_logits), search.budget)  # a tree of `budget` nodes is at most that deep
-    pool_logits, pool_tokens = draft_pools(draft_logits[:depth], adapter.cfg.pool_size)
-    drafted = best_paths(step.anchor, draft_logits[:depth], search.rescore * search.budget).tree
-    ancestors, depths, n = drafted.ancestors, drafted.depth, len(drafted)
-    scored = (depths < depth).nonzero().squeeze(-1)  # nodes whose children the candidates may hold
-    cache = _adapter_cache(step, n)
-    scores = adapter.scorer(search.compiled)(
-        target, drafted.tokens[scored], depths[scored], ancestors[scored], scored, cache, pool_logits[depths[scored]],
-        adapter.pool_candidates(target, pool_tokens)[depths[scored]])
-    logprobs = scores.log_softmax(-1)  # (scored, M): row r holds node scored[r]'s children
-    row = torch.full((n,), -1, dtype=torch.long, device=scores.device)
-    row[scored] = torch.arange(len(scored), device=scores.device)
-    parents = drafted.parents[1:]  # candidate 0 is the anchor
-    siblings = logprobs[row[parents]]  # (n - 1, M): each candidate's parent's children
-    in_pool = pool_tokens[depths[parents]] == drafted.tokens[1:, None]  # (n - 1, M), one True at most
-    own = siblings.gather(1, in_pool.int().argmax(-1, keepdim=True))
-    rank = (siblings > own).sum(-1)
-    own = torch.where(in_pool.any(-1) & (rank < search.children), own.squeeze(1), -math.inf)
-    # path scores depth by depth: parent's + own, so that a child never outranks its parent by a rounding
-    # (a sum over each row of the ancestor matrix could); -inf below any excluded node
-    path = own.new_zeros(n)
-    for d in range(1, depth + 1):
-        at = (depths[1:] == d).nonzero().squeeze(-1) + 1
-        path[at] = path[parents[at - 1]] + own[at - 1]
-    # best first, as the search takes nodes (`budget: auto` reads smaller budgets' trees as prefixes); on a tie
-    # the earlier candidate, so a parent precedes its children and the anchor (path score 0) comes first
-    order = path.sort(descending=True, stable=True).indices
-    keep = order[path[order] > -math.inf][: search.budget + 1]
-    new_id = torch.full((n,), -1, dtype=torch.long, device=scores.device)
-    new_id[keep] = torch.arange(len(keep), device=scores.device)
-    kept_parents = drafted.parents[keep]
-    tree = Tree.with_ancestors(drafted.tokens[keep], torch.where(kept_parents >= 0, new_id[kept_parents.clamp(min=0)], -1),
-                               ancestors[keep][:, keep])
-    expanded = row[keep] >= 0
-    expansions = [(new_id[keep[expanded]], logprobs[row[keep[expanded]]], pool_tokens[depths[keep[expanded]]])]
-    return Proposal(tree, expansions, draft_logits.shape[-1])
+    anchor = torch.full((1,), step.anchor, dtype=torch.long, device=draft_logits.device)
+    r = rescorer(search.compiled)(adapter, target, adapter.candidate_table(target), anchor, draft_logits[:depth],
+                                  step.draft.hidden[0], step.target_hidden, search.budget, search.rescore, search.children)
+    keep = r.keep[: int(r.n_kept)]
+    new_id = torch.full((len(r.tokens),), -1, dtype=torch.long, device=keep.device)
+    new_id[keep] = torch.arange(len(keep), device=keep.device)
+    kept_parents = r.parents[keep]
+    tree = Tree.with_ancestors(r.tokens[keep], torch.where(kept_parents >= 0, new_id[kept_parents.clamp(min=0)], -1),
+                               r.ancestors[keep][:, keep])
+    expanded = keep[r.depths[keep] < depth]  # candidates whose children the tree may hold
+    return Proposal(tree, [(new_id[expanded], r.logprobs[expanded], r.pool_tokens[r.depths[expanded]])],
+                    draft_logits.shape[-1])
 
 
 def _adapter_of(step: StepInputs) -> WeaverAdapter:

@@ -56,14 +56,7 @@ class Tree:
     @cached_property
     def ancestors(self) -> torch.Tensor:
         """(T, T) bool: [i, j] when node j is an ancestor of node i or i itself."""
-        T = len(self)
-        rows = torch.arange(T, device=self.tokens.device)
-        anc = torch.eye(T, dtype=torch.bool, device=self.tokens.device)
-        up = self.parents
-        while bool((up >= 0).any()):  # one level of ancestors per pass: depth passes in all
-            anc[rows[up >= 0], up[up >= 0]] = True
-            up = torch.where(up >= 0, self.parents[up.clamp(min=0)], up)
-        return anc
+        return ancestor_matrix(self.parents)
 
     @cached_property
     def depth(self) -> torch.Tensor:
@@ -97,3 +90,21 @@ class Tree:
     def path_to(self, leaf: int) -> torch.Tensor:
         """Root-to-leaf node indices (ascending = topological order)."""
         return self.ancestors[leaf].nonzero().squeeze(-1)
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """(T, T) bool ancestors-or-self of the tree `parents` (T,) describes, one level per pass.
+
+    max_depth: the tree is at most this deep: that many passes, tensor ops only (no host sync, so
+    torch.compile traces it whole); None: passes until every node's chain has reached the root."""
+    T = len(parents)
+    rows = torch.arange(T, device=parents.device)
+    anc = torch.eye(T, dtype=torch.bool, device=parents.device)
+    up = parents
+    for _ in range(T if max_depth is None else max_depth):
+        has = up >= 0
+        if max_depth is None and not bool(has.any()):
+            break
+        anc[rows, up.clamp(min=0)] |= has
+        up = torch.where(has, parents[up.clamp(min=0)], up)
+    return anc

@@ -208,10 +208,16 @@ def warm_up(models: Models, cfg: DictConfig, token: int, runs: list[tuple[str, i
     if cfg.eval.compile and "drafter" in models:
         if runs is None:
             runs = [(m, b) for m in cfg.eval.methods if m != "ar" for b in method_spec(m).budgets(cfg, models)]
-        sizes = {b + 1 for method, budget in runs
-                 for b in (auto_candidates(cfg, models, method) if budget == "auto" else [budget])}
+        budgets = {(method, b) for method, budget in runs
+                   for b in (auto_candidates(cfg, models, method) if budget == "auto" else [budget])}
+        sizes = {b + 1 for _, b in budgets}
         models["target"].compile_verify(sizes, models["drafter"].cfg.target_layer_ids, cfg.eval.compile)
         models["drafter"].compile_draft(models["target"], {size - 1 for size in sizes}, cfg.eval.compile)
+        if "adapter" in models and cfg.weaver.search.rescore:  # the rescored search: a static graph per budget
+            for b in sorted({b for method, b in budgets if method == "weaver"}):
+                speculative_generate(models["target"], models["drafter"], [token] * 4, 2, method="weaver", budget=b,
+                                     adapter=models["adapter"], compiled=cfg.eval.compile,
+                                     children=cfg.weaver.search.children, rescore=cfg.weaver.search.rescore)
     if "drafter" in models:
         speculative_generate(models["target"], models["drafter"], [token] * 4, 4)
     if "adapter" in models:

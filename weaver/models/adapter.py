@@ -34,7 +34,7 @@ from transformers import Qwen3Config
 
 from weaver.errors import WeaverError
 from weaver.io import atomic_dir
-from weaver.models.compile import Compile, compile_dynamic, inductor_mode
+from weaver.models.compile import Compile, compile_step, inductor_mode
 from weaver.models.config import from_hf, is_count
 from weaver.models.drafter import DrafterLayer
 from weaver.models.layers import RMSNorm, rope_tables
@@ -182,7 +182,7 @@ class WeaverAdapter(nn.Module):
             return self.score_nodes
         mode = inductor_mode(compiled)
         if mode not in self._compiled_scorer:
-            self._compiled_scorer[mode] = compile_dynamic(self.score_nodes, mode)
+            self._compiled_scorer[mode] = compile_step(self.score_nodes, mode)
         return self._compiled_scorer[mode]
 
     def pool_scores(self, states: torch.Tensor, pool_logits: torch.Tensor, pool_candidates: torch.Tensor) -> torch.Tensor:
@@ -200,9 +200,13 @@ class WeaverAdapter(nn.Module):
         (CPU `index_put_`), and a run would not reproduce itself bit for bit."""
         if self.training:
             return self.candidate(target.lm_head.weight[pool_tokens])
+        return self.candidate_table(target)[pool_tokens]
+
+    def candidate_table(self, target: TargetModel) -> torch.Tensor:
+        """P lm_head (V, r) over the whole vocabulary, projected once per target (eval mode)."""
         if self._table is None or self._table[0] is not target:
             self._table = (target, self.candidate(target.lm_head.weight))
-        return self._table[1][pool_tokens]
+        return self._table[1]
 
     def train(self, mode: bool = True) -> "WeaverAdapter":
         self._table = None

@@ -34,8 +34,9 @@ def inductor_mode(compiled: Compile) -> str:
     return mode
 
 
-def compile_dynamic(fn: Callable[..., Any], compiled: Compile = True, **options: Any) -> Callable[..., Any]:
-    """`torch.compile(fn, dynamic=True)` in the inductor mode `compiled` names, traced without duck sizing.
+def compile_step(fn: Callable[..., Any], compiled: Compile = True, dynamic: bool = True, **options: Any) -> Callable[..., Any]:
+    """`torch.compile(fn, dynamic=dynamic)` in the inductor mode `compiled` names, traced without duck sizing
+    (dynamic=False: a graph per input shape, for a step whose shapes a handful of settings fix).
     By default dynamo gives every dimension of the same size at trace time one symbol: a cache length that
     happens to equal a head dimension (say 8) is then specialised together with it, and every later length
     recompiles (the fix torch's own error message names). Both switches are read when a graph is traced
@@ -46,7 +47,7 @@ def compile_dynamic(fn: Callable[..., Any], compiled: Compile = True, **options:
     # a graph per tree size or logit-row bucket (and per model): the default limit of 8 would silently fall
     # back to eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    graph = torch.compile(fn, dynamic=True, options=inductor or None, **options)
+    graph = torch.compile(fn, dynamic=dynamic, options=inductor or None, **options)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         with shape_config.patch(use_duck_shape=False), inductor_config.patch(inductor):

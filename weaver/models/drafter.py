@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weaver.errors import WeaverError
-from weaver.models.compile import Compile, compile_dynamic, inductor_mode
+from weaver.models.compile import Compile, compile_step, inductor_mode
 from weaver.models.config import TargetConfig
 from weaver.models.layers import MLP, RMSNorm, apply_rope, rope_tables
 from weaver.models.linear import Linear, linear
@@ -258,7 +258,7 @@ class Drafter(nn.Module):
         kernel picked by measurement: ATen's costs 2-3x its one-row GEMV on an AVX2 CPU (README)."""
         mode = inductor_mode(compiled)
         if mode not in self._compiled_block:
-            graph = compile_dynamic(lambda target, cache, anchor, anchor_position, rows: self.block(
+            graph = compile_step(lambda target, cache, anchor, anchor_position, rows: self.block(
                 target, cache, anchor, anchor_position, rows.shape[0]), mode)
             self._compiled_block[mode] = graph
         return self._compiled_block[mode]

@@ -27,7 +27,7 @@ from weaver.kernels.tree_attention import tree_attention
 from weaver.kernels.tree_conv import conv_windows, tree_conv1d, tree_conv_commit_
 from weaver.errors import WeaverError
 from weaver.models.cache import ModelCache
-from weaver.models.compile import Compile, compile_dynamic, inductor_mode
+from weaver.models.compile import Compile, compile_step, inductor_mode
 from weaver.models.config import TargetConfig
 from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_
 from weaver.models.layers import MLP, RMSNorm, apply_rope, rms_norm, rope_tables
@@ -235,7 +235,7 @@ class TargetModel(nn.Module):
             return self.forward
         mode = inductor_mode(compiled)
         if mode not in self._compiled_forward:
-            self._compiled_forward[mode] = compile_dynamic(self.forward, mode)
+            self._compiled_forward[mode] = compile_step(self.forward, mode)
         return self._compiled_forward[mode]
 
     def new_cache(self, batch_size: int, max_len: int) -> ModelCache:
@@ -305,7 +305,7 @@ class TargetModel(nn.Module):
         dispatch-bound (thousands of small ops per pass); inductor fuses them."""
         mode = inductor_mode(compiled)
         if mode not in self._compiled_tree_layers:
-            graph = compile_dynamic(self.run_layers, mode, fullgraph=True)
+            graph = compile_step(self.run_layers, mode, fullgraph=True)
 
             def run(input_ids: torch.Tensor, step: Step, *args: Any) -> TargetOutput:
                 for t in (input_ids, step.positions, step.cos, step.sin, step.ancestors, step.conv_index):
