@@ -34,7 +34,8 @@ HOST_SIDE = {("weaver/kernels/dispatch.py", "check_trees"), ("weaver/kernels/dis
              ("weaver/acceptance.py", "recursive_rejection_tree")}
 FP32_ON_PURPOSE = {("weaver/models/cache.py", "empty"), ("weaver/acceptance.py", "recursive_rejection_tree"),
                    ("weaver/search.py", "start"), ("weaver/search.py", "__init__"), ("weaver/search.py", "ranked_children"),
-                   ("weaver/builders.py", "chain_tree"), ("weaver/builders.py", "best_paths")}
+                   ("weaver/builders.py", "chain_tree"), ("weaver/static_trees.py", "best_paths_nodes"),
+                   ("weaver/static_trees.py", "rescore_candidates")}
 
 
 class FactoryAudit(TorchFunctionMode):
