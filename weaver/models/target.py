@@ -102,8 +102,8 @@ class Attention(nn.Module):
         return self.o(o)
 
     def commit(self, cache: ModelCache, pending: Pending, path: torch.Tensor) -> None:
-        """Move the accepted path's keys/values to consecutive slots after the context (a no-op for a chain
-        prefix)."""
+        """Move the accepted path's keys/values to consecutive slots after the context (`TargetModel.commit`
+        skips it for a path of the tree's first nodes, already in place)."""
         start, n = pending.start, len(path)
         for kv in (cache.keys[self.layer], cache.values[self.layer]):
             kv[:, :, start : start + n] = kv[:, :, start + path]
@@ -322,8 +322,11 @@ class TargetModel(nn.Module):
             raise TreeInputError(f"invalid tree input: leaf {leaf} of a verified tree of {len(pending.tree)} nodes")
         path = pending.tree.path_to(leaf)
         start, n = pending.start, len(path)
+        # a path of the tree's first n nodes (nothing accepted, or the first branch) has its keys/values in place
+        in_place = leaf == n - 1
         for layer in self.layers:
-            layer.mixer.commit(cache, pending, path)
+            if not (in_place and isinstance(layer.mixer, Attention)):
+                layer.mixer.commit(cache, pending, path)
         cache.valid[:, start : start + n] = True
         cache.next_position = cache.next_position + n
         cache.length = start + n
