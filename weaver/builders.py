@@ -30,7 +30,7 @@ from weaver.models.adapter import AdapterCache, WeaverAdapter, draft_pools, expa
 from weaver.models.compile import Compile
 from weaver.models.drafter import Draft
 from weaver.search import ChildLogProbs, Grown, Proposal, best_first_tree
-from weaver.static_trees import best_paths_nodes, rescorer
+from weaver.static_trees import best_paths_nodes, kept_parents, rescorer
 from weaver.tree import Tree
 
 if TYPE_CHECKING:
@@ -202,13 +202,9 @@ def rescored_weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     r = rescorer(search.compiled)(adapter, target, adapter.candidate_table(target), anchor, draft_logits[:depth],
                                   step.draft.hidden[0], step.target_hidden, search.budget, search.rescore, search.children)
     keep = r.keep[: int(r.n_kept)]
-    new_id = torch.full((len(r.tokens),), -1, dtype=torch.long, device=keep.device)
-    new_id[keep] = torch.arange(len(keep), device=keep.device)
-    kept_parents = r.parents[keep]
-    tree = Tree.with_ancestors(r.tokens[keep], torch.where(kept_parents >= 0, new_id[kept_parents.clamp(min=0)], -1),
-                               r.ancestors[keep][:, keep])
-    expanded = keep[r.depths[keep] < depth]  # candidates whose children the tree may hold
-    return Proposal(tree, [(new_id[expanded], r.logprobs[expanded], r.pool_tokens[r.depths[expanded]])],
+    tree = Tree.with_ancestors(r.tokens[keep], kept_parents(r.parents, keep), r.ancestors[keep][:, keep])
+    expanded = (r.depths[keep] < depth).nonzero().squeeze(-1)  # tree nodes whose children the tree may hold
+    return Proposal(tree, [(expanded, r.logprobs[keep[expanded]], r.pool_tokens[r.depths[keep[expanded]]])],
                     draft_logits.shape[-1])
 
 

@@ -42,13 +42,16 @@ def best_paths_nodes(anchor: torch.Tensor, top_logp: torch.Tensor, top_tokens: t
         tokens.append(top_tokens[d, index % k])
         depths.append(torch.full_like(index, d + 1))
         beam_ids = beam_ids[-1] + 1 + torch.arange(len(index), device=device)
-    all_scores = torch.cat(scores)
-    order = all_scores.sort(descending=True, stable=True).indices[: budget + 1]
-    new_id = torch.full(all_scores.shape, -1, device=device)
-    new_id[order] = torch.arange(len(order), device=device)
-    old_parents = torch.cat(parents)[order]
-    return (torch.cat(tokens)[order], torch.where(old_parents >= 0, new_id[old_parents.clamp(min=0)], -1),
-            torch.cat(depths)[order])
+    order = torch.cat(scores).sort(descending=True, stable=True).indices[: budget + 1]
+    return torch.cat(tokens)[order], kept_parents(torch.cat(parents), order), torch.cat(depths)[order]
+
+
+def kept_parents(parents: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The parents of the nodes `keep` (ids into `parents`, each after its parent) as indices into `keep`."""
+    new_id = torch.full_like(parents, -1)
+    new_id[keep] = torch.arange(len(keep), device=keep.device)
+    old = parents[keep]
+    return torch.where(old >= 0, new_id[old.clamp(min=0)], -1)
 
 
 class Rescored(NamedTuple):
