@@ -140,6 +140,8 @@ def test_eval_writes_result_rows(smoke_eval):
          "drafter.draft_vocab applies to drafters trained here"),
         ("eval.py", ["+experiment=smoke", "model=qwen3_8b", "model.path=/no/such/folder", "eval.datasets=[humaneval]"],
          "checkpoint folder not found"),
+        ("eval.py", ["+experiment=smoke", "drafter.path=${artifact_of:nope,drafter}"], "no artifacts of experiment 'nope'"),
+        ("eval.py", ["+experiment=smoke", "drafter.path=${artifact_of:smoke,nope}"], "experiment 'smoke' built no nope"),
     ],
 )
 def test_bad_input_is_one_clear_line(smoke, script, overrides, message):
@@ -147,6 +149,16 @@ def test_bad_input_is_one_clear_line(smoke, script, overrides, message):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("error: ")
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_experiment_reads_another_experiments_artifact(tmp_path):
+    """`${artifact_of:experiment,stage}`: the folder that experiment's last training run recorded for the stage."""
+    import weaver.pipeline  # noqa: F401  (registers the resolver)
+
+    (tmp_path / "first").mkdir()
+    (tmp_path / "first" / "artifacts.json").write_text(json.dumps({"drafter": "/a/drafter-123"}))
+    cfg = OmegaConf.create({"paths": {"root": str(tmp_path)}, "drafter": {"path": "${artifact_of:first,drafter}"}})
+    assert cfg.drafter.path == "/a/drafter-123"
 
 
 def test_unwritable_results_folder(smoke, tmp_path):

@@ -23,8 +23,17 @@ def run_cli(job: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     try:
         return job(cfg)
     except (WeaverError, KernelError, OmegaConfBaseException, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {_weaver_cause(err)}", file=sys.stderr)
         sys.exit(2)
+
+
+def _weaver_cause(err: BaseException) -> BaseException:
+    """Our own error behind a config error (one a resolver such as `artifact_of` raised), whose message is
+    already the one line to show; else the error itself."""
+    cause = err.__context__
+    while cause is not None and not isinstance(cause, WeaverError):
+        cause = cause.__context__
+    return cause or err
 
 
 def _cuda() -> bool:

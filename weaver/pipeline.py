@@ -37,7 +37,21 @@ def _package_dir(name: str) -> str:
 
 ROOT_CONF = Path(__file__).resolve().parents[1] / "conf"  # the Hydra config tree (editable install)
 
+def _artifact_of(experiment: str, stage: str, *, _root_: DictConfig) -> str:
+    """The artifact folder a stage of another experiment built (its `artifacts.json`), so that one experiment can
+    start from another's drafter: `drafter.path: ${artifact_of:smollm2_read,drafter}`."""
+    record = Path(_root_.paths.root) / experiment / "artifacts.json"
+    if not record.is_file():
+        raise WeaverError(f"no artifacts of experiment '{experiment}' under {record.parent} (this config reads its "
+                          f"{stage}): run `python train.py +experiment={experiment}` first")
+    built = json.loads(record.read_text())
+    if stage not in built:
+        raise WeaverError(f"experiment '{experiment}' built no {stage} ({record} lists {', '.join(built) or 'none'})")
+    return built[stage]
+
+
 OmegaConf.register_new_resolver("pkg_dir", _package_dir, replace=True)
+OmegaConf.register_new_resolver("artifact_of", _artifact_of, replace=True)
 
 
 @dataclass(frozen=True)
