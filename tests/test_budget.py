@@ -68,8 +68,17 @@ def test_exploration_backs_off_while_the_choice_holds_and_restarts_when_it_moves
     planner = BudgetPlanner({2: 1.0, 8: 1.4, 32: 4.0}, explore_every=4)
     planner.next_budget()  # the largest, first
     planner.observe(32, [1, 3, 9, 20])  # best: 8
-    explored = [step for step in range(2, 200) if planner.next_budget() == 32]
-    assert explored == [6, 14, 30, 62, 126, 190]  # 4 steps after the choice moved to 8, then 8, 16, 32, 64, 64 (16 x 4)
+    explored = []
+    for step in range(2, 200):
+        if planner.next_budget() == 32:
+            explored.append(step)
+            planner.observe(32, [1, 3, 9, 20])  # the gain 8 -> 32 seen once more: the choice holds
+    # 4 steps after the choice moved to 8, at that rate until the gain above it rests on 4 steps, then 8, 16, 32, 64, 64
+    assert explored == [6, 10, 14, 18, 26, 42, 74, 138]
+    unmeasured = BudgetPlanner({2: 1.0, 8: 1.4, 32: 4.0}, explore_every=4)
+    unmeasured.next_budget()
+    unmeasured.observe(32, [1, 3, 9, 20])
+    assert [step for step in range(2, 40) if unmeasured.next_budget() == 32] == list(range(6, 40, 4))  # no new steps at 32
     for _ in range(40):
         planner.observe(8, [1])  # nodes beyond budget 2 stop being accepted: 2 wins
     assert planner.best() == 2

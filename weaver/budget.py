@@ -16,7 +16,9 @@ are estimated consistently with the frequently seen smaller ones), and picks
 argmax (1 + E[accepted(b)]) / cost(b). It verifies at the next larger candidate `explore_every` steps after
 its choice last changed, then at doubling intervals (up to 16 x explore_every) while the choice holds, so the
 estimate above the choice stays fresh at a cost that shrinks as the choice settles: a fixed rate of one step
-in 8 paid 2-3% of a SmolLM2 decode for steps at a budget the planner had already ruled out. The first step
+in 8 paid 2-3% of a SmolLM2 decode for steps at a budget the planner had already ruled out. The intervals
+grow only once the gain above the choice rests on `explore_every` steps: sampled acceptance is noisy, and a
+gain read as zero from a few steps had locked sampled Weaver on SmolLM2 into budget 2 (README). The first step
 uses the largest candidate.
 """
 
@@ -85,10 +87,16 @@ class BudgetPlanner:
         if best != self.choice:  # a new choice: explore above it at the starting rate again
             self.choice, self.gap, self.next_explore = best, self.explore_every, self.steps + self.explore_every
         if self.steps >= self.next_explore:
-            self.gap = min(2 * self.gap, MAX_GAP_FACTOR * self.explore_every)
+            if self._seen_above(best) >= self.explore_every:  # back off only once the gain above is measured
+                self.gap = min(2 * self.gap, MAX_GAP_FACTOR * self.explore_every)
             self.next_explore = self.steps + self.gap
             return next((b for b in self.candidates if b > best), best)
         return best
+
+    def _seen_above(self, budget: int) -> int:
+        """Steps behind the estimated gain from `budget` to the next larger candidate."""
+        i = self.candidates.index(budget)
+        return self.counts[i + 1] if i + 1 < len(self.candidates) else 0
 
     def observe(self, budget: int, path: Sequence[int], seconds: float | None = None) -> None:
         """A verified step at `budget` whose accepted path holds tree nodes `path` (anchor excluded), and
