@@ -30,6 +30,8 @@ def run_cli(job: Callable[[DictConfig], T], cfg: DictConfig) -> T:
 def _weaver_cause(err: BaseException) -> BaseException:
     """Our own error behind a config error (one a resolver such as `artifact_of` raised), whose message is
     already the one line to show; else the error itself."""
+    if not isinstance(err, OmegaConfBaseException):
+        return err
     cause = err.__context__
     while cause is not None and not isinstance(cause, WeaverError):
         cause = cause.__context__

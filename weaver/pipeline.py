@@ -37,6 +37,7 @@ def _package_dir(name: str) -> str:
 
 ROOT_CONF = Path(__file__).resolve().parents[1] / "conf"  # the Hydra config tree (editable install)
 
+
 def _artifact_of(experiment: str, stage: str, *, _root_: DictConfig) -> str:
     """The artifact folder a stage of another experiment built (its `artifacts.json`), so that one experiment can
     start from another's drafter: `drafter.path: ${artifact_of:smollm2_read,drafter}`."""
