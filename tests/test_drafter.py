@@ -601,3 +601,30 @@ def test_a_drafter_started_from_a_hybrid_target_takes_its_attention_layer_withou
     narrow = Drafter(drafter_config(new_drafter_config(target, 1, 5, MASK, target_layer_ids=(1,), intermediate_size=32)))
     with pytest.raises(WeaverError, match="needs their shape"):
         init_from_target(narrow, target)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@torch.inference_mode()
+def test_a_bf16_drafter_beside_an_fp32_target_drafts_within_bf16_rounding(target, compiled):
+    """`drafter.dtype`: a drafter in bf16 takes the fp32 target's states and embeddings and returns its draft in
+    the target's dtype, equal to the fp32 drafter's up to bf16 rounding (with and without a draft vocabulary)."""
+    gen = torch.Generator().manual_seed(8)
+    full = Drafter(drafter_config(new_drafter_config(target, 2, 6, MASK, target_layer_ids=(1, 3)))).eval()
+    perturb_(full, gen)
+    restricted = draft_vocab_drafter(target, 6, 40, seed=5, num_taps=4)[0]
+    ids = torch.randint(3, VOCAB, (1, 11), generator=gen)
+    states = target_states(target, ids)
+    for fp32 in (full, restricted):
+        bf16 = Drafter(fp32.cfg).eval()
+        bf16.load_state_dict(fp32.state_dict())
+        bf16.to(torch.bfloat16)
+        drafts = []
+        for model in (fp32, bf16):
+            cache = model.new_cache(1, 16)
+            model.extend_context(cache, [states[i] for i in model.cfg.target_layer_ids], torch.arange(11)[None])
+            drafts.append(model.draft(target, cache, torch.tensor([5]), torch.tensor([11]), 3, compiled=compiled))
+        want, got = drafts
+        assert got.logits.dtype == got.hidden.dtype == torch.float32 and got.logits.shape == want.logits.shape
+        torch.testing.assert_close(got.logits, want.logits, rtol=0.05, atol=0.1)
+        torch.testing.assert_close(got.hidden, want.hidden, rtol=0.05, atol=0.05)
+        assert (got.logits - want.logits).abs().max() > 0  # it did compute in bf16

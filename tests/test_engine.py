@@ -104,6 +104,21 @@ def test_greedy_with_a_draft_vocabulary_equals_autoregressive(target, prompts, g
     assert bool(torch.isin(picks, drafter.draft_vocab).all())
 
 
+@pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 6), ("weaver", 6)])
+def test_greedy_with_a_bf16_drafter_beside_an_fp32_target_equals_autoregressive(target, prompts, greedy, method, budget):
+    """`drafter.dtype=bfloat16` on an fp32 target: the draft comes back in fp32 for the search (and Weaver's
+    adapter) and the output stays the target's greedy one."""
+    from weaver.models.adapter import AdapterConfig, WeaverAdapter
+
+    drafter = random_drafter(target, 8).to(torch.bfloat16)
+    t = target.cfg
+    adapter = WeaverAdapter(AdapterConfig(t.hidden_size, t.vocab_size, 7, 32, 1, 2, 64, 16, 8)).eval()
+    for prompt, ref in zip(prompts, greedy):
+        out, _ = speculative_generate(target, drafter, prompt, NEW, temperature=0, method=method, budget=budget,
+                                      adapter=adapter)
+        assert out == ref[:NEW], f"prompt length {len(prompt)}"
+
+
 @pytest.mark.parametrize("block_size", BLOCKS)
 def test_greedy_with_mostly_right_drafts_equals_autoregressive(target, prompts, greedy, block_size):
     accepted, steps, corrupted = 0, 0, 0

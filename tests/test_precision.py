@@ -89,3 +89,15 @@ def test_device_auto_is_the_cpu_without_a_gpu():
     assert precision.resolve_device("auto") == torch.device("cpu")
     with pytest.raises(WeaverError, match="sees no GPU"):
         precision.resolve_device("cuda")
+
+
+@pytest.mark.parametrize(("factor", "expected"), [(0.25, torch.bfloat16), (50.0, torch.float32)])
+def test_the_drafter_takes_bf16_where_it_is_fast_or_the_targets_dtype(cpu_where_bf16_is, factor, expected):
+    cpu_where_bf16_is(factor)
+    cpu = torch.device("cpu")
+    assert precision.drafter_dtype("auto", torch.float32, cpu) == expected
+    assert precision.drafter_dtype("model", torch.float32, cpu) == torch.float32
+    assert precision.drafter_dtype("model", torch.bfloat16, cpu) == torch.bfloat16
+    assert precision.drafter_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    with pytest.raises(WeaverError, match="drafter.dtype must be model, auto, bfloat16"):
+        precision.drafter_dtype("bf16", torch.float32, cpu)

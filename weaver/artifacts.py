@@ -91,10 +91,14 @@ def drafter_folder(cfg: DictConfig) -> Path:
 
 
 def load_drafter_for(cfg: DictConfig, target):
-    """The experiment's drafter (`drafter_folder`), checked against the target and placed like it."""
+    """The experiment's drafter (`drafter_folder`), checked against the target, on its device, in the dtype
+    `drafter.dtype` resolves to (`weaver.precision.drafter_dtype`)."""
     from weaver.models.drafter_checkpoint import load_drafter
+    from weaver.precision import drafter_dtype
 
-    return _like(load_drafter(str(drafter_folder(cfg)), target), target)
+    weight = target.embed.weight
+    dtype = drafter_dtype(cfg.drafter.dtype, weight.dtype, weight.device)
+    return load_drafter(str(drafter_folder(cfg)), target).to(device=weight.device, dtype=dtype)
 
 
 def adapter_folder(cfg: DictConfig) -> Path:

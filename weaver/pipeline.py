@@ -199,7 +199,7 @@ def _scratch(cfg: DictConfig) -> bool:
 
 
 # Settings read only when decoding: they must never change an artifact's key (and so never retrain).
-INFERENCE_ONLY = {"model": ("dtype", "chat_template_kwargs"), "weaver": ("search",)}
+INFERENCE_ONLY = {"model": ("dtype", "chat_template_kwargs"), "drafter": ("dtype",), "weaver": ("search",)}
 # Settings of a group that another stage hashes: `rollouts.store_states` decides whether the optional
 # `states` stage exists, which enters the keys of the stages that read it, not the rollouts' key.
 HASHED_ELSEWHERE = {"rollouts": ("store_states",)}

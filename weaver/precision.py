@@ -55,6 +55,24 @@ def inference_dtype(setting: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def drafter_dtype(setting: str, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Weights' dtype of the drafter at inference (`drafter.dtype`): `model` = the target's; `auto` = bf16 where
+    bf16 matmuls are fast, else the target's. The draft only proposes (the target verifies every token), so
+    its rounding never touches losslessness, and its block of 16 positions is a multi-row matmul, where
+    native bf16 pays at batch 1 too (README: measured)."""
+    if setting == "model":
+        return target_dtype
+    if setting == "auto":
+        fast, reason = bf16_is_fast(device.type)
+        dtype = torch.bfloat16 if fast else target_dtype
+        _announce(f"drafter dtype: {str(dtype).removeprefix('torch.')} ({reason})")
+        return dtype
+    if setting not in DTYPES or DTYPES[setting] is None:
+        raise WeaverError(f"drafter.dtype must be model, auto, {', '.join(k for k in DTYPES if k != 'auto')}, "
+                          f"not '{setting}'")
+    return DTYPES[setting]
+
+
 def data_dtype(setting: str, model_setting: str, device: torch.device) -> torch.dtype:
     """Weights' dtype for the data stages (rollouts, stored states): `model` = the model's inference dtype;
     `auto` = bf16 where it is fast. The data feed training, which never needs AR decoding's bit-closeness, and

@@ -147,26 +147,33 @@ class Drafter(nn.Module):
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(positions, self.inv_freq, self.cfg.body.rope_scaling, self.fc.weight.dtype)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The drafter's weights' dtype; it may differ from the target's (`drafter.dtype`), so the target's
+        tensors are cast on the way in and the draft on the way out."""
+        return self.fc.weight.dtype
+
     def context(self, taps: list[torch.Tensor]) -> torch.Tensor:
         """Fused context features: Linear(K*H -> H) then RMSNorm over the concatenated taps."""
-        return self.hidden_norm(self.fc(torch.cat(taps, dim=-1)))
+        return self.hidden_norm(self.fc(torch.cat(taps, dim=-1).to(self.dtype)))
 
     def block_inputs(self, target: TargetModel, anchors: torch.Tensor) -> torch.Tensor:
         """Embeddings of [anchor, MASK x (B-1)] per anchor (N,) -> (N, B, H), via the target's embedding."""
         block = torch.full((len(anchors), self.cfg.block_size), self.cfg.mask_token_id, device=anchors.device)
         block[:, 0] = anchors
-        return target.embed(block)
+        return target.embed(block).to(self.dtype)
 
     def head(self, target: TargetModel) -> torch.Tensor:
-        """The drafter's output projection (V', H): the target's lm_head rows of the draft vocabulary. The
-        target is frozen, so outside training the slice is taken once per target."""
+        """The drafter's output projection (V', H): the target's lm_head rows of the draft vocabulary, in the
+        drafter's dtype. The target is frozen, so outside training the slice (or cast) is taken once per target."""
         weight = target.lm_head.weight
-        if self.draft_vocab is None:
+        if self.draft_vocab is None and weight.dtype == self.dtype:
             return weight
         if self.training:
-            return weight[self.draft_vocab]
-        if self._head is None or self._head[0] is not weight:
-            self._head = (weight, weight[self.draft_vocab])
+            return weight if self.draft_vocab is None else weight[self.draft_vocab]
+        if self._head is None or self._head[0] is not weight or self._head[1].dtype != self.dtype:
+            rows = weight if self.draft_vocab is None else weight[self.draft_vocab]
+            self._head = (weight, rows.to(self.dtype))
         return self._head[1]
 
     def vocab_logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
@@ -174,9 +181,10 @@ class Drafter(nn.Module):
         return linear(hidden, self.head(target))
 
     def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (..., V) over the target's vocabulary: tokens outside the draft vocabulary get the lowest
-        finite value (probability 0, and finite, so the engine's overflow checks stay strict)."""
-        logits = self.vocab_logits(target, hidden)
+        """Logits (..., V) over the target's vocabulary, in the target's dtype: tokens outside the draft
+        vocabulary get the lowest finite value (probability 0, and finite, so the engine's overflow checks stay
+        strict)."""
+        logits = self.vocab_logits(target, hidden).to(target.lm_head.weight.dtype)
         if self.draft_vocab is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], target.lm_head.weight.shape[0]), torch.finfo(logits.dtype).min)
@@ -250,7 +258,8 @@ class Drafter(nn.Module):
             context_kv = (cache.keys[i][:, :, : cache.length], cache.values[i][:, :, : cache.length])
             x = layer(x, rope, context_kv, None)
         hidden = self.norm(x)[:, 1:]
-        return Draft(self.logits(target, hidden[:, :depth]), hidden)
+        # the engine and the adapter read the draft in the target's dtype
+        return Draft(self.logits(target, hidden[:, :depth]), hidden.to(target.embed.weight.dtype))
 
     def block_compiled(self, compiled: Compile = True) -> Callable[..., Draft]:
         """`block` compiled once per drafter and inductor mode; the logit rows are the length of a static
