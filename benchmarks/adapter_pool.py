@@ -47,7 +47,7 @@ def main() -> None:
         raise SystemExit("the adapter was trained on every rollout (weaver.train.heldout_rollouts: 0): pass --heldout N "
                          "to measure on the last N anyway (in-sample)")
     target, tokenizer = load_target_and_tokenizer(cfg)
-    drafter = load_drafter_for(cfg, target)
+    drafter = load_drafter_for(cfg, target, "model")  # the adapter's training losses, as training computes them
     adapter = load_adapter_for(cfg, target, drafter)
     rows = datasets.load_from_disk(str(artifact_dir(cfg, "rollouts") / "dataset"))
     heldout = split_heldout(rows, n, "--heldout")[1]

@@ -628,3 +628,32 @@ def test_a_bf16_drafter_beside_an_fp32_target_drafts_within_bf16_rounding(target
         torch.testing.assert_close(got.logits, want.logits, rtol=0.05, atol=0.1)
         torch.testing.assert_close(got.hidden, want.hidden, rtol=0.05, atol=0.05)
         assert (got.logits - want.logits).abs().max() > 0  # it did compute in bf16
+
+
+def test_a_drafter_moved_to_bf16_keeps_its_rope_frequencies_in_fp32(target):
+    """bf16 inverse frequencies are 0.2% off: ~1 radian of RoPE angle by position 500."""
+    drafter = Drafter(drafter_config(new_drafter_config(target, 1, 4, MASK, 2))).eval()
+    want = drafter.rope(torch.tensor([[900]]))
+    drafter.to(torch.bfloat16)
+    assert drafter.inv_freq.dtype == torch.float32
+    assert drafter.rope(torch.tensor([[900]]))[0].dtype == torch.bfloat16
+    for got, ref in zip(drafter.rope(torch.tensor([[900]])), want):
+        torch.testing.assert_close(got.float(), ref, rtol=0, atol=8e-3)  # bf16 rounding of cos/sin only
+
+
+def test_drafter_dtype_applies_at_inference_and_training_reads_the_targets(target, tmp_path):
+    """`load_drafter_for`: `drafter.dtype` places the drafter for decoding; a training stage passes "model" and
+    gets the target's dtype whatever the setting. The head follows: the drafter's dtype, or under autocast
+    (which casts for the matmul) the target's."""
+    from omegaconf import OmegaConf
+
+    from weaver.artifacts import load_drafter_for
+
+    hf_cfg = new_drafter_config(target, 1, 4, MASK, 2)
+    save_drafter(Drafter(drafter_config(hf_cfg)).eval(), hf_cfg, tmp_path / "d")
+    cfg = OmegaConf.create({"drafter": {"path": str(tmp_path / "d"), "draft_vocab": None, "dtype": "bfloat16"}})
+    drafter = load_drafter_for(cfg, target)
+    assert drafter.dtype == torch.bfloat16 and drafter.head(target).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert drafter.head(target) is target.lm_head.weight
+    assert load_drafter_for(cfg, target, "model").dtype == target.embed.weight.dtype == torch.float32

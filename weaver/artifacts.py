@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from weaver.errors import WeaverError
 from weaver.io import exclusive
 from weaver.pipeline import artifact_dir, lock_file
+
+if TYPE_CHECKING:
+    from weaver.models.drafter import Drafter
+    from weaver.models.target import TargetModel
 
 
 def load_target_and_tokenizer(cfg: DictConfig, data_setting: str = "model"):
@@ -69,7 +74,7 @@ def gguf_as_safetensors(cfg: DictConfig) -> Path:
 
 
 def _like(model, target):
-    """`model` on the target's device and in its dtype: a bf16 target on a GPU gets a bf16 drafter there."""
+    """`model` on the target's device and in its dtype: a bf16 target on a GPU gets a bf16 adapter there."""
     weight = target.embed.weight
     return model.to(device=weight.device, dtype=weight.dtype)
 
@@ -90,14 +95,15 @@ def drafter_folder(cfg: DictConfig) -> Path:
     return folder
 
 
-def load_drafter_for(cfg: DictConfig, target):
+def load_drafter_for(cfg: DictConfig, target: TargetModel, setting: str | None = None) -> Drafter:
     """The experiment's drafter (`drafter_folder`), checked against the target, on its device, in the dtype
-    `drafter.dtype` resolves to (`weaver.precision.drafter_dtype`)."""
+    `setting` (default: `drafter.dtype`) resolves to (`weaver.precision.drafter_dtype`). What trains on a drafter
+    passes "model": `drafter.dtype` is an inference setting and never enters an artifact's key."""
     from weaver.models.drafter_checkpoint import load_drafter
     from weaver.precision import drafter_dtype
 
     weight = target.embed.weight
-    dtype = drafter_dtype(cfg.drafter.dtype, weight.dtype, weight.device)
+    dtype = drafter_dtype(setting or cfg.drafter.dtype, weight.dtype, weight.device)
     return load_drafter(str(drafter_folder(cfg)), target).to(device=weight.device, dtype=dtype)
 
 

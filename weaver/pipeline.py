@@ -188,7 +188,7 @@ def _run_weaver(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
     from weaver.train.adapter import train_adapter
 
     target, tokenizer = load_target_and_tokenizer(cfg)
-    drafter = load_drafter_for(cfg, target)
+    drafter = load_drafter_for(cfg, target, "model")
     text_dir = artifact_dir(cfg, "text") if _reads_text(cfg) else None
     train_adapter(cfg, target, drafter, tokenizer, artifact_dir(cfg, "rollouts"), out_dir, work_dir, _states_dir(cfg),
                   text_dir)

@@ -144,36 +144,45 @@ class Drafter(nn.Module):
         self._head: tuple[torch.Tensor, torch.Tensor] | None = None  # (target lm_head weight, its draft rows), eval only
         self._compiled_block: dict[str, Callable[..., Draft]] = {}  # by inductor mode
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(positions, self.inv_freq, self.cfg.body.rope_scaling, self.fc.weight.dtype)
-
     @property
     def dtype(self) -> torch.dtype:
-        """The drafter's weights' dtype; it may differ from the target's (`drafter.dtype`), so the target's
-        tensors are cast on the way in and the draft on the way out."""
+        """The drafter's weights' dtype. At inference it may differ from the target's (`drafter.dtype`): the
+        incremental drafting methods cast the target's tensors on the way in and the draft on the way out."""
         return self.fc.weight.dtype
+
+    def _apply(self, fn, recurse=True):
+        """`.to()` and friends move the RoPE inverse frequencies but keep them in fp32: in bf16 they are 0.2% off,
+        ~1 radian of angle by position 500, which a drafter trained in fp32 never saw."""
+        super()._apply(fn, recurse)
+        self.inv_freq = self.cfg.body.inv_freq.to(self.inv_freq.device)
+        return self
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(positions, self.inv_freq, self.cfg.body.rope_scaling, self.dtype)
 
     def context(self, taps: list[torch.Tensor]) -> torch.Tensor:
         """Fused context features: Linear(K*H -> H) then RMSNorm over the concatenated taps."""
-        return self.hidden_norm(self.fc(torch.cat(taps, dim=-1).to(self.dtype)))
+        return self.hidden_norm(self.fc(torch.cat(taps, dim=-1)))
 
     def block_inputs(self, target: TargetModel, anchors: torch.Tensor) -> torch.Tensor:
         """Embeddings of [anchor, MASK x (B-1)] per anchor (N,) -> (N, B, H), via the target's embedding."""
         block = torch.full((len(anchors), self.cfg.block_size), self.cfg.mask_token_id, device=anchors.device)
         block[:, 0] = anchors
-        return target.embed(block).to(self.dtype)
+        return target.embed(block)
 
     def head(self, target: TargetModel) -> torch.Tensor:
-        """The drafter's output projection (V', H): the target's lm_head rows of the draft vocabulary, in the
-        drafter's dtype. The target is frozen, so outside training the slice (or cast) is taken once per target."""
+        """The drafter's output projection (V', H): the target's lm_head rows of the draft vocabulary. The
+        target is frozen, so outside training the slice is taken once per target, in the drafter's dtype
+        (under autocast, which casts for the matmul itself, in the target's)."""
         weight = target.lm_head.weight
-        if self.draft_vocab is None and weight.dtype == self.dtype:
-            return weight
         if self.training:
             return weight if self.draft_vocab is None else weight[self.draft_vocab]
-        if self._head is None or self._head[0] is not weight or self._head[1].dtype != self.dtype:
+        dtype = weight.dtype if torch.is_autocast_enabled(weight.device.type) else self.dtype
+        if self.draft_vocab is None and dtype == weight.dtype:
+            return weight
+        if self._head is None or self._head[0] is not weight or self._head[1].dtype != dtype:
             rows = weight if self.draft_vocab is None else weight[self.draft_vocab]
-            self._head = (weight, rows.to(self.dtype))
+            self._head = (weight, rows.to(dtype))
         return self._head[1]
 
     def vocab_logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
@@ -181,10 +190,9 @@ class Drafter(nn.Module):
         return linear(hidden, self.head(target))
 
     def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (..., V) over the target's vocabulary, in the target's dtype: tokens outside the draft
-        vocabulary get the lowest finite value (probability 0, and finite, so the engine's overflow checks stay
-        strict)."""
-        logits = self.vocab_logits(target, hidden).to(target.lm_head.weight.dtype)
+        """Logits (..., V) over the target's vocabulary: tokens outside the draft vocabulary get the lowest
+        finite value (probability 0, and finite, so the engine's overflow checks stay strict)."""
+        logits = self.vocab_logits(target, hidden)
         if self.draft_vocab is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], target.lm_head.weight.shape[0]), torch.finfo(logits.dtype).min)
@@ -215,13 +223,13 @@ class Drafter(nn.Module):
         shape = (batch_size, body.num_kv_heads, max_len, body.head_dim)
         p = self.fc.weight
         return DrafterCache(
-            [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.layers],
-            [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.layers],
+            [torch.zeros(shape, dtype=self.dtype, device=p.device) for _ in self.layers],
+            [torch.zeros(shape, dtype=self.dtype, device=p.device) for _ in self.layers],
         )
 
     def extend_context(self, cache: DrafterCache, taps: list[torch.Tensor], positions: torch.Tensor) -> None:
         """Append committed positions' tapped target states (B, n, H) to the drafter's context cache."""
-        features = self.context(taps)
+        features = self.context([t.to(self.dtype) for t in taps])
         n = features.shape[1]
         if cache.length + n > cache.keys[0].shape[2]:
             raise WeaverError("drafter context cache overflow")
@@ -251,15 +259,15 @@ class Drafter(nn.Module):
 
     def block(self, target: TargetModel, cache: DrafterCache, anchor: torch.Tensor, anchor_position: torch.Tensor,
               depth: int) -> Draft:
-        x = self.block_inputs(target, anchor)
+        x = self.block_inputs(target, anchor).to(self.dtype)
         positions = anchor_position[:, None] + torch.arange(self.cfg.block_size, device=x.device)
         rope = self.rope(positions)
         for i, layer in enumerate(self.layers):
             context_kv = (cache.keys[i][:, :, : cache.length], cache.values[i][:, :, : cache.length])
             x = layer(x, rope, context_kv, None)
         hidden = self.norm(x)[:, 1:]
-        # the engine and the adapter read the draft in the target's dtype
-        return Draft(self.logits(target, hidden[:, :depth]), hidden.to(target.embed.weight.dtype))
+        out = target.embed.weight.dtype  # the engine and the adapter read the draft in the target's dtype
+        return Draft(self.logits(target, hidden[:, :depth]).to(out), hidden.to(out))
 
     def block_compiled(self, compiled: Compile = True) -> Callable[..., Draft]:
         """`block` compiled once per drafter and inductor mode; the logit rows are the length of a static
@@ -278,7 +286,7 @@ class Drafter(nn.Module):
         2-position context: dynamo specialises a length of 0 or 1)."""
         device = target.embed.weight.device
         cache = self.new_cache(1, 3)
-        self.extend_context(cache, [torch.zeros(1, 2, self.cfg.body.hidden_size, device=device, dtype=self.fc.weight.dtype)]
+        self.extend_context(cache, [torch.zeros(1, 2, self.cfg.body.hidden_size, device=device, dtype=self.dtype)]
                             * len(self.cfg.target_layer_ids), torch.arange(2, device=device)[None])
         anchor = torch.zeros(1, dtype=torch.long, device=device)
         for depth in sorted({depth_bucket(min(d, self.cfg.block_size - 1), self.cfg.block_size - 1) for d in max_depths}):
