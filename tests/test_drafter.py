@@ -635,7 +635,7 @@ def test_a_drafter_moved_to_bf16_keeps_its_rope_frequencies_in_fp32(target):
     drafter = Drafter(drafter_config(new_drafter_config(target, 1, 4, MASK, 2))).eval()
     want = drafter.rope(torch.tensor([[900]]))
     drafter.to(torch.bfloat16)
-    assert drafter.inv_freq.dtype == torch.float32
+    assert drafter.rotary.inv_freq.dtype == torch.float32
     assert drafter.rope(torch.tensor([[900]]))[0].dtype == torch.bfloat16
     for got, ref in zip(drafter.rope(torch.tensor([[900]])), want):
         torch.testing.assert_close(got.float(), ref, rtol=0, atol=8e-3)  # bf16 rounding of cos/sin only

@@ -37,7 +37,7 @@ from weaver.io import atomic_dir
 from weaver.models.compile import Compile, compile_step, inductor_mode
 from weaver.models.config import from_hf, is_count
 from weaver.models.drafter import DrafterLayer
-from weaver.models.layers import RMSNorm, rope_tables
+from weaver.models.layers import RMSNorm, Rotary
 from weaver.models.linear import Linear
 
 if TYPE_CHECKING:  # the drafting side runs without the target's verification kernels
@@ -115,7 +115,7 @@ class WeaverAdapter(nn.Module):
         self.out_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.query = Linear(d, cfg.rank, bias=False)  # Q
         self.candidate = Linear(H, cfg.rank, bias=False)  # P, applied to lm_head rows
-        self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
+        self.rotary = Rotary(body.inv_freq)
         self._table: tuple[TargetModel, torch.Tensor] | None = None  # (target, P lm_head), eval mode only
         self._compiled_scorer: dict[str, Callable[..., torch.Tensor]] = {}  # by inductor mode
         self.tokenizer_sha256: str | None = None  # the target tokenizer it was trained with (saved, checked on load)
@@ -126,7 +126,7 @@ class WeaverAdapter(nn.Module):
         nn.init.zeros_(self.query.weight)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(positions, self.inv_freq, 1.0, self.token_in.weight.dtype)
+        return self.rotary(positions, self.token_in.weight.dtype)
 
     # --- inputs ---
 

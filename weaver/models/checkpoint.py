@@ -102,7 +102,7 @@ def model_from_state_dict(cfg: TargetConfig, tensors: dict[str, torch.Tensor], d
         raise WeaverError(f"checkpoint does not fit its config.json: {str(err).splitlines()[-1].strip()}") from None
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.inv_freq = cfg.inv_freq.clone()
+    model.rotary.inv_freq = cfg.inv_freq.clone()
     return model.to(dtype).eval()
 
 

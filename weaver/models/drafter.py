@@ -29,7 +29,7 @@ from torch import nn
 from weaver.errors import WeaverError
 from weaver.models.compile import Compile, compile_step, inductor_mode
 from weaver.models.config import TargetConfig
-from weaver.models.layers import MLP, RMSNorm, apply_rope, rope_tables
+from weaver.models.layers import MLP, RMSNorm, Rotary, apply_rope
 from weaver.models.linear import Linear, linear
 
 if TYPE_CHECKING:  # the drafting side runs without the target's verification kernels
@@ -136,7 +136,7 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(body.hidden_size, body.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(body) for _ in range(body.num_layers))
         self.norm = RMSNorm(body.hidden_size, body.rms_norm_eps)
-        self.register_buffer("inv_freq", body.inv_freq.clone(), persistent=False)
+        self.rotary = Rotary(body.inv_freq, body.rope_scaling)
         # target token ids the drafter proposes, ascending (a checkpoint tensor); None: all of them
         self.draft_vocab: torch.Tensor | None
         self.register_buffer("draft_vocab", None if cfg.draft_vocab_size is None
@@ -150,15 +150,8 @@ class Drafter(nn.Module):
         incremental drafting methods cast the target's tensors on the way in and the draft on the way out."""
         return self.fc.weight.dtype
 
-    def _apply(self, fn, recurse=True):
-        """`.to()` and friends move the RoPE inverse frequencies but keep them in fp32: in bf16 they are 0.2% off,
-        ~1 radian of angle by position 500, which a drafter trained in fp32 never saw."""
-        super()._apply(fn, recurse)
-        self.inv_freq = self.cfg.body.inv_freq.to(self.inv_freq.device)
-        return self
-
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(positions, self.inv_freq, self.cfg.body.rope_scaling, self.dtype)
+        return self.rotary(positions, self.dtype)
 
     def context(self, taps: list[torch.Tensor]) -> torch.Tensor:
         """Fused context features: Linear(K*H -> H) then RMSNorm over the concatenated taps."""

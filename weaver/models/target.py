@@ -30,7 +30,7 @@ from weaver.models.cache import ModelCache
 from weaver.models.compile import Compile, compile_step, inductor_mode
 from weaver.models.config import TargetConfig
 from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_
-from weaver.models.layers import MLP, RMSNorm, apply_rope, rms_norm, rope_tables
+from weaver.models.layers import MLP, RMSNorm, apply_rope, Rotary, rms_norm
 from weaver.models.linear import Linear
 from weaver.models.steps import GDNLayerPending, Pending, Step, TargetOutput
 from weaver.tree import Tree
@@ -220,7 +220,7 @@ class TargetModel(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.register_buffer("inv_freq", cfg.inv_freq.clone(), persistent=False)
+        self.rotary = Rotary(cfg.inv_freq, cfg.rope_scaling)
         self._compiled_forward: dict[str, Callable[..., TargetOutput]] = {}  # by inductor mode
         self._compiled_tree_layers: dict[str, Callable[..., TargetOutput]] = {}
 
@@ -386,4 +386,4 @@ class TargetModel(nn.Module):
         return Step(positions, cos, sin, start, attn_mask=mask[:, None], token_mask=token_mask)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(positions, self.inv_freq, self.cfg.rope_scaling, self.embed.weight.dtype)
+        return self.rotary(positions, self.embed.weight.dtype)
