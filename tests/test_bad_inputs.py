@@ -388,6 +388,9 @@ def test_the_nan_check_raises_only_for_nan_or_inf():
         check_finite(torch.tensor([1.0, math.inf], dtype=torch.bfloat16), "logits", "here")
     with pytest.raises(WeaverError, match="scores contain NaN"):
         check_finite(torch.tensor([math.inf, -math.inf, math.nan]), "scores", "here", nan_only=True)
+    # a bf16 drafter's logits arrive cast to an fp32 target's dtype: the hint names the drafter's setting
+    with pytest.raises(WeaverError, match=r"an overflow in bfloat16 or broken weights: try drafter.dtype=float32"):
+        check_finite(torch.tensor([1.0, math.inf]), "logits", "here", computed_in=torch.bfloat16, setting="drafter.dtype")
 
 
 # --- no pickle ----------------------------------------------------------------------------------------------

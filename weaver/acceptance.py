@@ -22,9 +22,14 @@ if TYPE_CHECKING:
 Observer = Callable[[int, int, float], None]  # (node, child rank, probability the rule accepts a child drawn there)
 
 
-def check_finite(values: torch.Tensor, what: str, where: str, nan_only: bool = False) -> None:
+def check_finite(
+    values: torch.Tensor, what: str, where: str, nan_only: bool = False,
+    computed_in: torch.dtype | None = None, setting: str = "model.dtype",
+) -> None:
     """Refuse NaN/inf (with nan_only: NaN) in logits an acceptance rule is about to read: argmax and
-    softmax would turn them into a wrong token without a word.
+    softmax would turn them into a wrong token without a word. `computed_in`: the dtype of the model that
+    made them when they were cast since (a bf16 drafter's logits reach us in the target's dtype), whose
+    `setting` the error suggests changing.
 
     Cost: one sum over a tensor already computed and one host sync (the acceptance rules sync anyway). Any
     NaN/inf element makes the sum non-finite, so a finite sum proves the tensor finite; only a non-finite
@@ -34,8 +39,9 @@ def check_finite(values: torch.Tensor, what: str, where: str, nan_only: bool = F
     if bool(torch.isnan(total) if nan_only else ~torch.isfinite(total)):
         nan = bool(torch.isnan(values).any())
         if nan or (not nan_only and not bool(torch.isfinite(values).all())):
-            hint = ("the model's weights or activations are not finite" if values.dtype in (torch.float32, torch.float64)
-                    else f"an overflow in {str(values.dtype).removeprefix('torch.')} or broken weights: try model.dtype=float32")
+            dtype = computed_in or values.dtype
+            hint = ("the model's weights or activations are not finite" if dtype in (torch.float32, torch.float64)
+                    else f"an overflow in {str(dtype).removeprefix('torch.')} or broken weights: try {setting}=float32")
             raise WeaverError(f"{what} contain {'NaN' if nan else 'inf'} {where}: {hint}")
 
 
