@@ -131,6 +131,7 @@ def test_settings_added_later_keep_existing_keys_at_their_old_behaviour():
     assert changed["rollouts"] != keys["rollouts"]
     assert _artifact_keys("train", "rollouts.dtype=auto")["rollouts"] != keys["rollouts"]
     assert _artifact_keys("train", "weaver.train.heldout_rollouts=8")["weaver"] != keys["weaver"]
+    assert _artifact_keys("train", "weaver.train.calibrate=true")["weaver"] != keys["weaver"]
     assert _artifact_keys("train", "drafter.train.heldout_rollouts=8")["drafter"] != keys["drafter"]
     assert _artifact_keys("train", "drafter.train.init=target")["drafter"] != keys["drafter"]
     assert _artifact_keys("train", "drafter.text.seq_len=64")["drafter"] != keys["drafter"]

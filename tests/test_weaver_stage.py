@@ -160,3 +160,38 @@ def test_heldout_rollouts_are_not_trained_on_and_report_sampling_metrics(smoke_o
     rows = datasets.Dataset.from_dict({"prompt_index": list(range(48))})
     trained, heldout = split_heldout(rows, 8, "weaver.train.heldout_rollouts")
     assert trained["prompt_index"] == list(range(40)) and heldout["prompt_index"] == list(range(40, 48))
+
+
+def test_calibration_folds_the_scale_with_the_lowest_heldout_loss_into_the_query(smoke_outputs):
+    """`calibrate_correction` picks the scale of lowest held-out loss and folds it into Q: the folded adapter's
+    loss is the unfolded one's at that scale (scores = prior + scale x correction), the prior's own logits kept."""
+    cfg = smoke_config(smoke_outputs)
+    target, tokenizer = load_target_and_tokenizer(cfg)
+    drafter = load_drafter_for(cfg, target)
+    adapter = WeaverAdapter(adapter_stage.adapter_config(cfg.weaver, target, drafter)).eval()
+    torch.nn.init.normal_(adapter.query.weight, std=0.1)
+    rows = datasets.load_from_disk(str(artifact_dir(cfg, "rollouts") / "dataset"))
+    batch = anchored_batches(tokenizer.pad_token_id or 0, 4, cfg.seed)([rows[i] for i in range(4)])
+    ids, lengths, anchors, states = batch
+
+    def loss(scale: float) -> torch.Tensor:
+        with torch.no_grad():
+            return adapter_stage.adapter_loss(adapter, drafter, target, ids, lengths, anchors, cfg.weaver.train.loss,
+                                              states, scale=scale)[0]
+
+    at = {scale: loss(scale) for scale in (0.0, 0.3, 1.0)}
+    assert len({round(v.item(), 4) for v in at.values()}) == 3  # the scale matters
+    scale, losses = adapter_stage.calibrate_correction(adapter, lambda s: (s - 0.3) ** 2)
+    assert scale == 0.3 and losses[0.3] == min(losses.values()) and set(losses) == set(adapter_stage.CALIBRATION_SCALES)
+    torch.testing.assert_close(loss(1.0), at[0.3], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss(0.0), at[0.0], rtol=1e-5, atol=1e-6)
+
+
+def test_calibrated_stage_records_its_scale_and_needs_heldout_rollouts(smoke_outputs, tmp_path, capsys):
+    cfg = smoke_config(smoke_outputs, "weaver.train.heldout_rollouts=8", "weaver.train.calibrate=true")
+    summary = train(cfg, tmp_path / "a", tmp_path / "a.work")
+    assert summary["calibration_scale"] in adapter_stage.CALIBRATION_SCALES
+    assert f"weaver: correction scaled by {summary['calibration_scale']:.1f} (held-out loss" in capsys.readouterr().out
+    with pytest.raises(WeaverError, match=r"weaver.train.calibrate fits the adapter on held-out rollouts: set "
+                                          r"weaver.train.heldout_rollouts > 0"):
+        train(smoke_config(smoke_outputs, "weaver.train.calibrate=true"), tmp_path / "b", tmp_path / "b.work")

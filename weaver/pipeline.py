@@ -207,7 +207,7 @@ HASHED_ELSEWHERE = {"rollouts": ("store_states",)}
 
 # Settings added after artifacts were built, at the value that reproduces what was built before: at that
 # value they stay out of the key, so existing artifacts remain valid (any other value changes the key).
-ADDED_LATER = {"rollouts": {"samples_per_prompt": 1, "dtype": "model"}, "weaver.train": {"heldout_rollouts": 0, "read_text": False},
+ADDED_LATER = {"rollouts": {"samples_per_prompt": 1, "dtype": "model"}, "weaver.train": {"heldout_rollouts": 0, "read_text": False, "calibrate": False},
                "drafter.train": {"heldout_rollouts": 0, "init": "random"},
                "drafter": {"draft_vocab": None, "draft_vocab_corpus": ["python_stdlib"], "text": {}},
                "drafter.text": {"sources": [], "n_sequences": 1024, "seq_len": 192}}

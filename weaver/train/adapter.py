@@ -16,6 +16,7 @@ cross-entropy's label is the target's own greedy token at each node (its argmax)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -29,7 +30,7 @@ from weaver.models.checkpoint import check_tokenizer, check_tokenizer_fingerprin
 from weaver.models.drafter import Drafter
 from weaver.models.layers import init_weights
 from weaver.models.target import TargetModel
-from weaver.train.common import fit, heldout_metrics, make_accelerator, split_heldout, write_artifact
+from weaver.train.common import fit, heldout_batches, heldout_metrics, make_accelerator, split_heldout, write_artifact
 from weaver.train.drafter import anchored_batches, draft_blocks, flag_read_text, taps_and_hidden, with_read_text
 
 
@@ -66,9 +67,11 @@ def expected_chain_length(accept: torch.Tensor, valid: torch.Tensor) -> torch.Te
 def adapter_loss(
     adapter: WeaverAdapter, drafter: Drafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor,
     anchors: torch.Tensor, mix: DictConfig, states: torch.Tensor | None = None, read: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of the adapter's teacher-forced chains from `anchors` and its metrics; rows flagged in `read`
-    (N,) bool are read text, labelled with the target's greedy tokens."""
+    (N,) bool are read text, labelled with the target's greedy tokens. `scale` multiplies the adapter's
+    correction to the drafter's logits (`calibrate_correction`)."""
     N, L = ids.shape
     D = adapter.cfg.max_depth
     taps, hidden = taps_and_hidden(target, ids, drafter.cfg.target_layer_ids, states)
@@ -84,6 +87,8 @@ def adapter_loss(
     causal = torch.ones(D, D, dtype=torch.bool, device=ids.device).tril()[None]
     node_states = adapter(adapter.node_inputs(target, nodes), torch.arange(D, device=ids.device), cache, causal)
     scores = adapter.pool_scores(node_states, pool_logits, adapter.pool_candidates(target, pool_tokens))
+    if scale != 1.0:
+        scores = pool_logits + scale * (scores - pool_logits)
     with torch.no_grad():
         teacher = target.lm_head(hidden[rows, at[:, :-1]])  # the target's logits at the chain's nodes
     if read is not None and read.any():  # the argmax over the vocabulary only where a batch holds read text
@@ -106,6 +111,25 @@ def adapter_loss(
         "tau_rrs": expected_chain_length(terms["accept"], valid).mean().item(),
         "tau_rrs_prior": expected_chain_length(prior["accept"], valid).mean().item(),
     }
+
+
+CALIBRATION_SCALES = [i / 10 for i in range(21)]  # 0 (the drafter's prior alone) to 2
+
+
+@torch.no_grad()
+def calibrate_correction(adapter: WeaverAdapter, heldout_loss: Callable[[float], float]) -> tuple[float, dict[float, float]]:
+    """Scale the adapter's correction <P lm_head[c], Q x> by the factor of CALIBRATION_SCALES with the lowest
+    held-out loss, folded into Q; returns (that factor, the loss at each).
+
+    Trained with cross-entropy on a few thousand greedy rollouts, the adapter is overconfident on text it has not
+    seen (SmolLM2: paths it scores 0.7-0.9 are accepted half the time), and the best-first search, which ranks
+    paths by those scores, then goes too deep; shrinking the correction towards the drafter's prior, which
+    is calibrated, buys τ (README: calibration). Temperature scaling (Guo et al., 2017) applied to the correction
+    only: the prior's own confidence is kept."""
+    losses = {scale: heldout_loss(scale) for scale in CALIBRATION_SCALES}
+    best = min(losses, key=losses.get)
+    adapter.query.weight.mul_(best)
+    return best, losses
 
 
 def optimizers(adapter: WeaverAdapter, train: DictConfig) -> list[torch.optim.Optimizer]:
@@ -158,11 +182,15 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
     n_params = sum(p.numel() for p in adapter.parameters())
     read = f" + {len(rows) - n_trained} read texts" if len(rows) > n_trained else ""
     accelerator.print(f"weaver adapter: {n_params / 1e6:.2f}M parameters, pool {w.pool_size}, {n_trained} rollouts{read}")
+    if train.calibrate and heldout is None:
+        raise WeaverError("weaver.train.calibrate fits the adapter on held-out rollouts: set weaver.train.heldout_rollouts > 0")
     evaluate = None if heldout is None else heldout_metrics(heldout, collate, loss_fn, train.batch_size, accelerator.device)
     metrics = fit(accelerator, adapter, optimizers(adapter, train), rows, collate, loss_fn, train, work_dir,
                   cfg.seed, evaluate=evaluate, desc="weaver")
-    adapter = adapter.float().cpu().eval()
     summary = {"params": n_params, **metrics}
+    if train.calibrate:
+        summary["calibration_scale"] = calibrate_heldout(adapter, drafter, target, heldout, collate, train, accelerator)
+    adapter = adapter.float().cpu().eval()
     sha = tokenizer_fingerprint(tokenizer)  # saved with the adapter: loading checks it against the target's
     write_artifact(accelerator, lambda out: save_adapter(adapter, out, sha), out_dir, summary,
                    f"weaver: final loss {metrics['loss']:.3f}; TV to the target on the pool {metrics['tv']:.3f} "
@@ -170,3 +198,19 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
                    f"(prior {metrics['acc_prior']:.2f}); pool coverage {metrics['coverage']:.2f}; sampling: "
                    f"expected chain length {metrics['tau_rrs']:.2f} (prior {metrics['tau_rrs_prior']:.2f})")
     return summary
+
+
+def calibrate_heldout(adapter: WeaverAdapter, drafter: Drafter, target: TargetModel, heldout: datasets.Dataset,
+                      collate: Callable, train: DictConfig, accelerator) -> float:
+    """`calibrate_correction` on the held-out rollouts under the training loss; prints and returns the factor."""
+    batches = heldout_batches(heldout, collate, train.batch_size, accelerator.device)
+    adapter.eval()
+
+    def heldout_loss(scale: float) -> float:
+        return sum(adapter_loss(adapter, drafter, target, *batch[:3], train.loss, *batch[3:], scale=scale)[0].item()
+                   for batch in batches) / len(batches)
+
+    scale, losses = calibrate_correction(adapter, heldout_loss)
+    accelerator.print(f"weaver: correction scaled by {scale:.1f} (held-out loss {losses[scale]:.4f}, "
+                      f"unscaled {losses[1.0]:.4f}, the drafter's prior alone {losses[0.0]:.4f})")
+    return scale

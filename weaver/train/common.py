@@ -163,15 +163,21 @@ def heldout_metrics(rows: datasets.Dataset, collate: Callable, loss_fn: LossFn, 
                     device: torch.device) -> Callable[[torch.nn.Module], dict[str, float]]:
     """evaluate(model) -> the loss function's metrics on held-out rollouts (means over their batches, prefixed
     `heldout_`): what τ is made of (top-1 per depth, acceptance) on data the model never saw."""
-    batches = [collate([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
-               for start in range(0, len(rows), batch_size)]
+    batches = heldout_batches(rows, collate, batch_size, device)
 
     @torch.no_grad()
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
-        logs = [loss_fn(model, tuple(x.to(device) if torch.is_tensor(x) else x for x in batch))[1] for batch in batches]
+        logs = [loss_fn(model, batch)[1] for batch in batches]
         return {f"heldout_{k}": sum(log[k] for log in logs) / len(logs) for k in logs[0]}
 
     return evaluate
+
+
+def heldout_batches(rows: datasets.Dataset, collate: Callable, batch_size: int, device: torch.device) -> list[tuple]:
+    """The held-out rollouts collated once, in order, on `device`."""
+    return [tuple(x.to(device) if torch.is_tensor(x) else x
+                  for x in collate([rows[i] for i in range(start, min(start + batch_size, len(rows)))]))
+            for start in range(0, len(rows), batch_size)]
 
 
 def fit(

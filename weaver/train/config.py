@@ -56,6 +56,9 @@ class AdapterTrainConfig(TrainConfig):
     loss: AdapterLoss = field(default_factory=AdapterLoss)
     heldout_rollouts: int = 0  # > 0: the last n rollouts are held out and evaluated every eval_every steps
     read_text: bool = False  # also train on the text the target read for the drafter (drafter.text), greedy labels
+    # after training, scale the adapter's correction to the drafter's logits by the factor (0-2, steps of 0.1) that
+    # minimises the training loss on the held-out rollouts, folded into its weights (needs heldout_rollouts > 0)
+    calibrate: bool = False
 
 
 SCHEMAS = {"target": TrainConfig, "drafter": DrafterTrainConfig, "adapter": AdapterTrainConfig}
