@@ -95,3 +95,16 @@ def test_adapter_pool_benchmark_runs(smoke_outputs):
     assert [r[0].strip() for r in rows] == ["pool", "4", "16", "64"]
     pool_mass = [float(r[1]) for r in rows[1:]]  # the same anchors at every pool: a wider pool holds more of the target
     assert pool_mass[0] < pool_mass[1] <= pool_mass[2] <= 1
+
+
+def test_tree_calibration_benchmark_bins_every_reached_node(smoke_outputs, tmp_path):
+    out = tmp_path / "calibration.json"
+    done = run_script("benchmarks/tree_calibration.py", smoke_outputs, "+experiment=smoke", "--runs", "ddtree:4",
+                      "weaver:4:rescore=2", "--out", str(out), "eval.datasets=[heldout_code]", "eval.n_prompts=1",
+                      "eval.max_new_tokens=8", "eval.compile=false")
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert set(results) == {"ddtree:4", "weaver:4:rescore=2"}
+    for run in results.values():
+        assert run["tau"] >= 1 and run["bins"] and all(0 <= b["accepted"] <= 1 for b in run["bins"])
+        assert all(b["bin"][0] <= b["predicted"] <= b["bin"][1] for b in run["bins"])

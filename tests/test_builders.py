@@ -38,6 +38,20 @@ def test_ddtree_holds_the_best_scoring_paths(seed, budget):
     assert paths_of(tree) == set(best)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_edge_probabilities_are_each_nodes_marginal_at_its_depth(seed):
+    """DDTree's edges: node i's probability is the drafter's marginal of its token at its depth (what
+    `benchmarks/tree_calibration.py` bins against acceptance); the anchor's is 1."""
+    logits = 2 * torch.randn(4, 9, generator=torch.Generator().manual_seed(seed))
+    proposal = ddtree(5, logits, budget=10)
+    tree, probs = proposal.tree, logits.softmax(-1)
+    depth = [0]
+    for parent in tree.parents.tolist()[1:]:
+        depth.append(depth[parent] + 1)
+    want = [1.0] + [float(probs[depth[i] - 1, int(tree.tokens[i])]) for i in range(1, len(tree))]
+    torch.testing.assert_close(proposal.edge_probs(), torch.tensor(want))
+
+
 def test_chain_tree_takes_the_argmax_per_depth():
     logits = torch.randn(6, 11)
     tree = chain_tree(3, logits, budget=4).tree

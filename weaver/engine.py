@@ -8,6 +8,7 @@ path (rollback-free, docs/method.md §2.6). The drafter's context cache grows by
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from weaver.models.compile import Compile
 from weaver.models.config import check_prompt, is_count, is_finite_number
 from weaver.models.drafter import Drafter, check_pair
 from weaver.models.target import TargetModel, verify_size
+from weaver.search import Proposal
 
 # Where a step's time goes: the drafter's block, the tree search (the adapter's calls for Weaver), the
 # target's verify pass, the acceptance rule, and committing the path (target cache + drafter context).
@@ -124,6 +126,7 @@ def speculative_generate(
     priority: AcceptanceTable | None = None,
     rescore: int | None = None,
     draft_temperature: float | None = None,
+    on_step: Callable[[Proposal, int], None] | None = None,
 ) -> tuple[list[int], SpecStats]:
     """New tokens for one prompt with draft trees, plus acceptance statistics.
 
@@ -142,7 +145,8 @@ def speculative_generate(
     nodes (`weaver.builders.rescored_weaver_tree`); None: the wave search. draft_temperature: with `rrs`, draw the
     trees from the draft distribution (drafter or adapter) at this temperature instead of `temperature`; rejection
     sampling is lossless for any draft distribution, so only acceptance changes (a sharper draft, < temperature,
-    is accepted more often when the drafter is weak).
+    is accepted more often when the drafter is weak). on_step: called after each step's acceptance with the step's
+    proposal and the accepted node (diagnostics, e.g. `benchmarks/tree_calibration.py`).
 
     Bad input (`check_request`) raises `WeaverError` before any model runs; so do NaN/inf logits of the
     target or the drafter (and NaN scores of the adapter), naming the step, instead of a wrong token.
@@ -197,6 +201,8 @@ def speculative_generate(
             leaf, bonus = rule.accept(tree, logits, proposal, temperature, generator,
                                       priority.observer(proposal) if drawn and priority else None)
         path = tree.path_to(leaf)
+        if on_step:
+            on_step(proposal, leaf)
         clock.lap("accept")
         target.commit(cache, pending, leaf=leaf)
         positions = anchor_position[:, None] + torch.arange(len(path), device=device)

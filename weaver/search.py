@@ -98,6 +98,14 @@ class Proposal:
             probs.update(zip(nodes.tolist(), p))
         return probs
 
+    def edge_probs(self) -> torch.Tensor:
+        """(T,) each node's probability under the distribution its parent's children were taken from (1 for the
+        anchor): the draft's confidence in each edge, which greedy acceptance matches when it is calibrated
+        (`benchmarks/tree_calibration.py`)."""
+        probs, tokens = self.child_probs, self.tree.tokens.tolist()
+        return torch.tensor([1.0] + [float(probs[parent][tokens[node]])
+                                     for node, parent in enumerate(self.tree.parents.tolist()) if node > 0])
+
 
 def ranked_children(logprobs: torch.Tensor, width: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, log mass), each (n, w): the support indices of each row's first w children and the log of the

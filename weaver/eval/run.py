@@ -142,7 +142,7 @@ def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, e
     label = f"{method}@{budget}"
     if budget == "auto":
         budget = BudgetPlanner(step_costs(models, cfg, method), e.auto_budget.explore_every)
-    decode = _decoder(models, cfg, method, eos, generator)
+    decode = speculative_decoder(models, cfg, method, eos, generator)
     outputs, stats, seconds = decode_all(prompts, lambda p: decode(p, budget), label)
     total = SpecStats.merge(stats)
     n_tokens = sum(map(len, outputs))
@@ -156,16 +156,17 @@ def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, e
     }
 
 
-def _decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, generator: torch.Generator | None,
-             max_new_tokens: int | None = None):
-    """decode(prompt, budget) -> (tokens, SpecStats) with the method's models and the eval settings."""
+def speculative_decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, generator: torch.Generator | None,
+                        max_new_tokens: int | None = None, on_step: Callable | None = None):
+    """decode(prompt, budget) -> (tokens, SpecStats) with the method's models and the eval settings (`on_step`:
+    `speculative_generate`'s)."""
     e = cfg.eval
     extra = {name: models[name] for name in method_spec(method).needs if name != "drafter"}
     search = cfg.weaver.search
     priority = RRS_PRIORITIES[e.rrs_priority]()  # one table learns across the run's prompts
     options = dict(sampling=e.sampling, children=search.children, nodes_per_call=search.nodes_per_call,
                    rescore=search.rescore, compiled=e.compile, priority=priority,
-                   draft_temperature=e.draft_temperature, **extra)
+                   draft_temperature=e.draft_temperature, on_step=on_step, **extra)
     max_new_tokens = max_new_tokens or e.max_new_tokens
     return lambda prompt, budget: speculative_generate(models["target"], models["drafter"], prompt, max_new_tokens,
                                                        e.temperature, eos, generator, method, budget, **options)
@@ -188,7 +189,7 @@ def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]
         candidates = auto_candidates(cfg, models, method)
         vocab = models["target"].cfg.vocab_size
         prompt = torch.randint(vocab, (cfg.eval.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-        decode = _decoder(models, cfg, method, None, torch.Generator().manual_seed(0), max_new_tokens=auto.probe_tokens)
+        decode = speculative_decoder(models, cfg, method, None, torch.Generator().manual_seed(0), max_new_tokens=auto.probe_tokens)
 
         def step_seconds(budget: int) -> list[float]:
             stats = decode(prompt, budget)[1]
