@@ -179,8 +179,8 @@ def speculative_generate(
         # a tree of b nodes is at most b deep: the drafter's logits beyond that would go unused
         step = len(stats.accepted) + 1
         draft = drafter.draft(target, context, anchor, cache.next_position, max_depth=step_budget, compiled=compiled)
-        check_finite(draft.logits, "the drafter's logits", f"at speculative step {step}", computed_in=drafter.dtype,
-                     setting="drafter.dtype")
+        check_finite(draft.logits, "the drafter's logits", f"at speculative step {step}",
+                     computed_in=getattr(drafter, "dtype", None), setting="drafter.dtype")  # stand-ins may not say
         clock.lap("draft")
         proposal = propose(method, StepInputs(int(anchor), draft, hidden, target, cache, adapter), SearchConfig(
             step_budget, children, nodes_per_call, generator if drawn else None, tree_temperature, compiled,
