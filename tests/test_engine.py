@@ -49,7 +49,7 @@ class OracleDrafter:
 
     def __init__(self, target, sequence: list[int], block_size: int, p_corrupt: float = 0.3, seed: int = 0):
         self.cfg = SimpleNamespace(target_layer_ids=(0, 1), block_size=block_size, mask_token_id=VOCAB - 1)
-        self.sequence, self.hidden = sequence, target.cfg.hidden_size
+        self.sequence, self.hidden, self.dtype = sequence, target.cfg.hidden_size, torch.float32  # its logits
         self.p_corrupt, self.rng = p_corrupt, random.Random(seed)
         self.corrupted = 0
 

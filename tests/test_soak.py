@@ -57,6 +57,7 @@ class SoakDrafter:
     def __init__(self, drafter: Drafter, sequence: list[int] | None, seed: int = 0):
         self.drafter, self.cfg, self.sequence, self.rng = drafter, drafter.cfg, sequence, random.Random(seed)
         self.context: DrafterCache | None = None
+        self.dtype = drafter.dtype
 
     def new_cache(self, batch_size: int, max_len: int) -> DrafterCache:
         self.context = self.drafter.new_cache(batch_size, max_len)

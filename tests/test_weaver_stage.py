@@ -90,7 +90,7 @@ def test_adapter_gradients_reproduce_bit_for_bit(smoke_outputs):
             assert torch.equal(a, b), name
 
 
-def test_read_text_is_labelled_with_the_targets_greedy_tokens(smoke_outputs, monkeypatch):
+def test_read_text_is_labelled_with_the_targets_greedy_tokens(smoke_outputs):
     """Rows flagged as read text: every chain node's label is the target's argmax there, not the text's next
     token; the other rows keep their rollout's next token."""
     cfg = smoke_config(smoke_outputs)
@@ -100,12 +100,9 @@ def test_read_text_is_labelled_with_the_targets_greedy_tokens(smoke_outputs, mon
     rows = datasets.load_from_disk(str(artifact_dir(cfg, "rollouts") / "dataset"))
     ids, lengths, anchors, _ = anchored_batches(tokenizer.pad_token_id or 0, 4, cfg.seed)([rows[i] for i in range(4)])
     ids = torch.randint(3, target.cfg.vocab_size, ids.shape, generator=torch.Generator().manual_seed(0))  # not greedy text
-    seen = []
-    real = adapter_stage.pool_losses
-    monkeypatch.setattr(adapter_stage, "pool_losses", lambda *args: seen.append(args[3]) or real(*args))
     read = torch.tensor([True, False, True, False])
-    adapter_stage.adapter_loss(adapter, drafter, target, ids, lengths, anchors, cfg.weaver.train.loss, read=read)
-    labels = seen[0].view(4, 4, -1)  # (rows, anchors, depth)
+    chains = adapter_stage.score_chains(adapter, drafter, target, ids, lengths, anchors, read=read)
+    labels = chains.labels.view(4, 4, -1)  # (rows, anchors, depth)
     with torch.no_grad():
         greedy = target(ids).logits.argmax(-1)
     D = labels.shape[-1]
@@ -123,7 +120,7 @@ def test_pool_acceptance_is_what_rejection_sampling_accepts():
     teacher = torch.randn(3, 50, generator=g) * 2
     pool = torch.stack([torch.randperm(50, generator=g)[:8] for _ in range(3)])
     log_q = (torch.randn(3, 8, generator=g) * 2).log_softmax(-1)
-    accept = adapter_stage.pool_losses(log_q, teacher, pool, pool[:, 0])["accept"]
+    accept = adapter_stage.pool_losses(log_q, teacher.log_softmax(-1).gather(-1, pool), pool, pool[:, 0])["accept"]
     p, q = teacher.softmax(-1).gather(-1, pool), log_q.exp()
     draws = torch.multinomial(q, 200_000, replacement=True, generator=g)
     passed = torch.rand(draws.shape, generator=g) < (p.gather(-1, draws) / q.gather(-1, draws))
@@ -176,8 +173,8 @@ def test_calibration_folds_the_scale_with_the_lowest_heldout_loss_into_the_query
 
     def loss(scale: float) -> torch.Tensor:
         with torch.no_grad():
-            return adapter_stage.adapter_loss(adapter, drafter, target, ids, lengths, anchors, cfg.weaver.train.loss,
-                                              states, scale=scale)[0]
+            chains = adapter_stage.score_chains(adapter, drafter, target, ids, lengths, anchors, states)
+            return adapter_stage.chain_loss(chains, cfg.weaver.train.loss, scale)[0]
 
     at = {scale: loss(scale) for scale in (0.0, 0.3, 1.0)}
     assert len({round(v.item(), 4) for v in at.values()}) == 3  # the scale matters

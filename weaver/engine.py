@@ -180,7 +180,7 @@ def speculative_generate(
         step = len(stats.accepted) + 1
         draft = drafter.draft(target, context, anchor, cache.next_position, max_depth=step_budget, compiled=compiled)
         check_finite(draft.logits, "the drafter's logits", f"at speculative step {step}",
-                     computed_in=getattr(drafter, "dtype", None), setting="drafter.dtype")  # stand-ins may not say
+                     computed_in=drafter.dtype, setting="drafter.dtype")
         clock.lap("draft")
         proposal = propose(method, StepInputs(int(anchor), draft, hidden, target, cache, adapter), SearchConfig(
             step_budget, children, nodes_per_call, generator if drawn else None, tree_temperature, compiled,

@@ -17,6 +17,7 @@ cross-entropy's label is the target's own greedy token at each node (its argmax)
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -34,15 +35,15 @@ from weaver.train.common import fit, heldout_batches, heldout_metrics, make_acce
 from weaver.train.drafter import anchored_batches, draft_blocks, flag_read_text, taps_and_hidden, with_read_text
 
 
-def pool_losses(log_q: torch.Tensor, teacher_logits: torch.Tensor, pool_tokens: torch.Tensor,
+def pool_losses(log_q: torch.Tensor, log_p: torch.Tensor, pool_tokens: torch.Tensor,
                 labels: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-node KL(p_pool || q), TV(p_pool, q), CE on the label (0 when outside the pool), whether the
     label is in the pool, and `accept` = sum_x min(p(x), q(x)): the probability that rejection sampling
     accepts one draft token drawn from q, where p is the target's whole distribution (its mass outside the
     pool is never accepted); p_pool is p restricted to the pool and renormalised.
 
-    log_q (..., M) adapter log-probs over the pool; teacher_logits (..., V); pool_tokens (..., M); labels (...)."""
-    log_p = teacher_logits.float().log_softmax(-1).gather(-1, pool_tokens)
+    log_q (..., M) adapter log-probs over the pool; log_p (..., M) the target's log-probs (normalised over the
+    whole vocabulary) of the pool's tokens; pool_tokens (..., M); labels (...)."""
     log_p_pool = log_p - log_p.logsumexp(-1, keepdim=True)
     p_pool, q = log_p_pool.exp(), log_q.exp()
     in_pool = pool_tokens == labels[..., None]
@@ -64,14 +65,29 @@ def expected_chain_length(accept: torch.Tensor, valid: torch.Tensor) -> torch.Te
     return 1 + (accept * valid).cumprod(-1).sum(-1)
 
 
-def adapter_loss(
+@dataclass
+class Chains:
+    """The adapter's teacher-forced chains from a batch's anchors, scored over the drafter's pools: all that the
+    loss and the metrics read (A anchors, D depths, M pool tokens). The target's distribution is kept only on the
+    pool (log_p), not over its vocabulary, so that held-out chains can be kept and re-scored cheaply."""
+    scores: torch.Tensor       # (A, D, M) the adapter's logits over the pool
+    prior: torch.Tensor        # (A, D, M) the drafter's logits over the pool
+    log_p: torch.Tensor        # (A, D, M) the target's log-probs of the pool's tokens
+    pool_tokens: torch.Tensor  # (A, D, M)
+    labels: torch.Tensor       # (A, D) the token each node is trained towards
+    valid: torch.Tensor        # (A, D) 1 where the label lies inside the rollout
+
+    def rescaled(self, scale: float) -> torch.Tensor:
+        """The scores with the adapter's correction to the drafter's logits multiplied by `scale`."""
+        return self.scores if scale == 1.0 else self.prior + scale * (self.scores - self.prior)
+
+
+def score_chains(
     adapter: WeaverAdapter, drafter: Drafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor,
-    anchors: torch.Tensor, mix: DictConfig, states: torch.Tensor | None = None, read: torch.Tensor | None = None,
-    scale: float = 1.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of the adapter's teacher-forced chains from `anchors` and its metrics; rows flagged in `read`
-    (N,) bool are read text, labelled with the target's greedy tokens. `scale` multiplies the adapter's
-    correction to the drafter's logits (`calibrate_correction`)."""
+    anchors: torch.Tensor, states: torch.Tensor | None = None, read: torch.Tensor | None = None,
+) -> Chains:
+    """Run the adapter teacher-forced along the rollouts from `anchors`; rows flagged in `read` (N,) bool are
+    read text, labelled with the target's greedy tokens."""
     N, L = ids.shape
     D = adapter.cfg.max_depth
     taps, hidden = taps_and_hidden(target, ids, drafter.cfg.target_layer_ids, states)
@@ -87,23 +103,29 @@ def adapter_loss(
     causal = torch.ones(D, D, dtype=torch.bool, device=ids.device).tril()[None]
     node_states = adapter(adapter.node_inputs(target, nodes), torch.arange(D, device=ids.device), cache, causal)
     scores = adapter.pool_scores(node_states, pool_logits, adapter.pool_candidates(target, pool_tokens))
-    if scale != 1.0:
-        scores = pool_logits + scale * (scores - pool_logits)
     with torch.no_grad():
-        teacher = target.lm_head(hidden[rows, at[:, :-1]])  # the target's logits at the chain's nodes
-    if read is not None and read.any():  # the argmax over the vocabulary only where a batch holds read text
-        labels = torch.where(read.to(ids.device)[rows], teacher.argmax(-1), labels)
-    terms = pool_losses(scores.log_softmax(-1), teacher, pool_tokens, labels)
-    prior = pool_losses(pool_logits.log_softmax(-1), teacher, pool_tokens, labels)
+        teacher = target.lm_head(hidden[rows, at[:, :-1]]).float()  # the target's logits at the chain's nodes
+        if read is not None and read.any():  # the argmax over the vocabulary only where a batch holds read text
+            labels = torch.where(read.to(ids.device)[rows], teacher.argmax(-1), labels)
+        log_p = teacher.log_softmax(-1).gather(-1, pool_tokens)
+    return Chains(scores, pool_logits, log_p, pool_tokens, labels, valid)
+
+
+def chain_loss(chains: Chains, mix: DictConfig, scale: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss mix of the chains and their metrics; `scale` multiplies the adapter's correction to the
+    drafter's logits (`calibrate_correction`)."""
+    scores, valid, labels = chains.rescaled(scale), chains.valid, chains.labels
+    terms = pool_losses(scores.log_softmax(-1), chains.log_p, chains.pool_tokens, labels)
+    prior = pool_losses(chains.prior.log_softmax(-1), chains.log_p, chains.pool_tokens, labels)
 
     def mean(x: torch.Tensor, where: torch.Tensor = valid) -> torch.Tensor:
         return (x * where).sum() / where.sum().clamp(min=1)
 
     loss = mix.kl * mean(terms["kl"]) + mix.tv * mean(terms["tv"]) + mix.ce * mean(terms["ce"])
-    top1 = pool_tokens.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1) == labels
+    top1 = chains.pool_tokens.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1) == labels
     return loss, {
         "tv": mean(terms["tv"]).item(), "tv_prior": mean(prior["tv"]).item(),
-        "acc": mean(top1.float()).item(), "acc_prior": mean((pool_tokens[..., 0] == labels).float()).item(),
+        "acc": mean(top1.float()).item(), "acc_prior": mean((chains.pool_tokens[..., 0] == labels).float()).item(),
         "coverage": mean(terms["covered"]).item(), "pool_mass": mean(terms["pool_mass"]).item(),
         # sampling (rejection sampling at temperature 1): depth-1 acceptance and a chain's expected length
         "accept_d1": mean(terms["accept"][:, 0], valid[:, 0]).item(),
@@ -111,6 +133,14 @@ def adapter_loss(
         "tau_rrs": expected_chain_length(terms["accept"], valid).mean().item(),
         "tau_rrs_prior": expected_chain_length(prior["accept"], valid).mean().item(),
     }
+
+
+def adapter_loss(
+    adapter: WeaverAdapter, drafter: Drafter, target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor,
+    anchors: torch.Tensor, mix: DictConfig, states: torch.Tensor | None = None, read: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The training loss of the adapter's teacher-forced chains from `anchors`, and its metrics."""
+    return chain_loss(score_chains(adapter, drafter, target, ids, lengths, anchors, states, read), mix)
 
 
 CALIBRATION_SCALES = [i / 10 for i in range(21)]  # 0 (the drafter's prior alone) to 2
@@ -202,13 +232,15 @@ def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokeni
 
 def calibrate_heldout(adapter: WeaverAdapter, drafter: Drafter, target: TargetModel, heldout: datasets.Dataset,
                       collate: Callable, train: DictConfig, accelerator) -> float:
-    """`calibrate_correction` on the held-out rollouts under the training loss; prints and returns the factor."""
-    batches = heldout_batches(heldout, collate, train.batch_size, accelerator.device)
+    """`calibrate_correction` on the held-out rollouts under the training loss; prints and returns the factor.
+    The chains are scored once; each candidate factor only re-weighs their pool scores."""
     adapter.eval()
+    with torch.no_grad():
+        chains = [score_chains(adapter, drafter, target, *batch)
+                  for batch in heldout_batches(heldout, collate, train.batch_size, accelerator.device)]
 
     def heldout_loss(scale: float) -> float:
-        return sum(adapter_loss(adapter, drafter, target, *batch[:3], train.loss, *batch[3:], scale=scale)[0].item()
-                   for batch in batches) / len(batches)
+        return sum(chain_loss(c, train.loss, scale)[0].item() for c in chains) / len(chains)
 
     scale, losses = calibrate_correction(adapter, heldout_loss)
     accelerator.print(f"weaver: correction scaled by {scale:.1f} (held-out loss {losses[scale]:.4f}, "
