@@ -3,11 +3,16 @@
     python benchmarks/inference_dtype.py +experiment=smollm2
     python benchmarks/inference_dtype.py +experiment=tiny --new-tokens 128
     python benchmarks/inference_dtype.py +experiment=smollm2 --batch 64 --prompt-tokens 100 --new-tokens 32
+    python benchmarks/inference_dtype.py +experiment=smollm2 --agreement 5
 
 What `model.dtype: auto` decides for a CPU rests on this: our eager AR decode, batch 1, the same random
 prompt, the two dtypes interleaved over --repeats rounds, median tokens/s. With --batch N, N random prompts
-decoded together, as the rollouts stage does (what `rollouts.dtype: auto` rests on). Remaining arguments
-are Hydra overrides of eval.yaml.
+decoded together, as the rollouts stage does (what `rollouts.dtype: auto` rests on). With --agreement K, also
+how often each dtype's greedy token changes with the shape of the forward: the eval prompts (eval.datasets,
+eval.n_prompts) are decoded greedily one token at a time, then the same tokens are read again K at a time, as a
+verify pass of a K-node chain reads them; a position whose argmax differs is one where speculative decoding
+would leave AR decoding's output (lossless in exact arithmetic, not token for token). Remaining arguments are
+Hydra overrides of eval.yaml.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from timing import print_table_header, timed  # noqa: E402
 
-from weaver.generate import generate  # noqa: E402
 from weaver.artifacts import load_target_and_tokenizer  # noqa: E402
+from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs  # noqa: E402
+from weaver.generate import generate  # noqa: E402
+from weaver.models.target import TargetModel  # noqa: E402
 from weaver.pipeline import ROOT_CONF  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -36,13 +43,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--agreement", type=int, default=0, metavar="K",
+                        help="also compare greedy decoding with K-token forwards over the eval prompts")
     args, overrides = parser.parse_known_args()
     torch.set_num_threads(args.threads)
     models = {}
     for name, dtype in DTYPES.items():
         with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
             cfg = compose("eval", overrides=[*overrides, f"model.dtype={dtype}"])
-        models[name] = load_target_and_tokenizer(cfg)[0]
+        models[name], tokenizer = load_target_and_tokenizer(cfg)
     vocab = models["fp32"].cfg.vocab_size
     prompts = torch.randint(3, vocab, (args.batch, args.prompt_tokens), generator=torch.Generator().manual_seed(0)).tolist()
     for model in models.values():
@@ -57,6 +66,31 @@ def main() -> None:
     fp32 = statistics.median(seconds["fp32"])
     for name, s in seconds.items():
         print(f"| {name} | {args.batch * args.new_tokens / statistics.median(s):.1f} | {fp32 / statistics.median(s):.2f}x |")
+    if args.agreement:
+        prompts = [ids for name in cfg.eval.datasets for ids in encode_prompts(
+            load_prompt_set(cfg, name), tokenizer, cfg.eval.n_prompts, cfg.eval.prompt_tokens,
+            template_kwargs=template_kwargs(cfg))]
+        print(f"\ngreedy tokens decoded one at a time against the same tokens read {args.agreement} at a time, "
+              f"{len(prompts)} eval prompts x {args.new_tokens} new tokens")
+        print_table_header("weights", "positions whose argmax differs", "answers that would differ")
+        for name, model in models.items():
+            flips = [argmax_flips(model, prompt, args.new_tokens, args.agreement) for prompt in prompts]
+            total = sum(n for _, n in flips)
+            print(f"| {name} | {sum(f for f, _ in flips)} of {total} | {sum(f > 0 for f, _ in flips)} of {len(prompts)} |")
+
+
+@torch.no_grad()
+def argmax_flips(model: TargetModel, prompt: list[int], new_tokens: int, chunk: int) -> tuple[int, int]:
+    """(positions whose argmax differs, positions) between greedy decoding of `prompt` and re-reading its
+    answer `chunk` tokens per forward after the prompt's prefill."""
+    answer = generate(model, [prompt], new_tokens)[0]
+    ids = torch.tensor([prompt + answer], device=model.embed.weight.device)
+    cache = model.new_cache(1, ids.shape[1])
+    logits = [model(ids[:, :len(prompt)], cache, logits_to_keep=1).logits[0]]
+    for start in range(len(prompt), ids.shape[1] - 1, chunk):
+        logits.append(model(ids[:, start:min(start + chunk, ids.shape[1] - 1)], cache).logits[0])
+    reread = torch.cat(logits).argmax(-1).cpu()
+    return int((reread != torch.tensor(answer)).sum()), len(answer)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import run_script
 from test_pipeline import ROOT
@@ -71,6 +72,31 @@ def test_inference_dtype_benchmark_runs(smoke_outputs):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "batch 3, 64 prompt + 4 new tokens" in done.stdout
     assert [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")][1:] == ["fp32", "bf16"]
+
+
+def test_inference_dtype_agreement_table(smoke_outputs):
+    done = run_script("benchmarks/inference_dtype.py", smoke_outputs, "+experiment=smoke", "--new-tokens", "6",
+                      "--repeats", "1", "--agreement", "3", "eval.datasets=[heldout_code]", "eval.n_prompts=2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1:4] for line in done.stdout.splitlines() if line.startswith("| ") and " of " in line]
+    assert [(name.strip(), total.split(" of ")[1].strip()) for name, total, _ in rows] == [("fp32", "12"), ("bf16", "12")]
+
+
+def test_argmax_flips_rereads_the_greedy_answer_position_by_position(target, monkeypatch):
+    """Re-read one token per forward, the answer is what decoding computed: no position differs (an off-by-one
+    in the re-reading would count every change of token along the answer). Read 4 at a time in fp32, the
+    argmax holds too."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setitem(sys.modules, "fla", sys.modules.get("fla"))  # the script hides fla; undone after the test
+    from inference_dtype import argmax_flips
+
+    from weaver.generate import generate
+
+    prompt = torch.randint(3, target.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    answer = generate(target, [prompt], 10)[0]
+    assert sum(a != b for a, b in zip(answer, answer[1:])) >= 3  # the check below can see a shift
+    assert argmax_flips(target, prompt, 10, 1) == (0, 10)
+    assert argmax_flips(target, prompt, 10, 4) == (0, 10)
 
 
 def test_draft_vocab_benchmark_runs(smoke_outputs):
