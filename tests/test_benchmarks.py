@@ -30,6 +30,18 @@ def test_speculative_decoding_benchmark_runs(smoke_outputs):
     assert rows == ["run", "ar", "chain:3", "weaver:4", "weaver:4:rescore=2"]
 
 
+def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs):
+    done = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--method", "ddtree",
+                      "--explore-every", "2", "4", "--threads", "1", "eval.datasets=[heldout_code]", "eval.n_prompts=2",
+                      "eval.max_new_tokens=12", "eval.compile=false")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1:4] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    labels = [row[0].strip() for row in rows]
+    assert labels[:6] == ["budget", "1", "2", "4", "auto (explore_every 2, decay 0.9)", "auto (explore_every 4, decay 0.9)"]
+    assert max(float(row[2]) for row in rows[1:4]) == 1.0  # the best fixed budget is the reference
+    assert labels[6:] == ["prompt", "heldout_code", "heldout_code"]  # the planner's estimates after each prompt
+
+
 def test_best_budget_sweep_writes_rows(smoke_outputs, tmp_path):
     out = tmp_path / "speed.json"
     done = run_script("benchmarks/spec_decode.py", smoke_outputs, "+experiment=smoke", "--best", "--methods", "ddtree",

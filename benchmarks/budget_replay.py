@@ -1,0 +1,112 @@
+"""`budget: auto` replayed offline: how far the planner's choices fall from the best fixed budget, and why.
+
+    python benchmarks/budget_replay.py +experiment=smollm2_read --method ddtree eval.n_prompts=2
+    python benchmarks/budget_replay.py +experiment=smollm2_read eval.n_prompts=2 --method weaver --explore-every 4 8 --decay 0.9 0.95
+
+Each eval prompt is decoded once with every step at the largest candidate of eval.auto_budget (the anytime
+search `auto` uses), recording each step's accepted path. A tree of budget b is the first b nodes of that tree
+(weaver/budget.py), so every step shows what every candidate would have accepted. The planner is then replayed
+over those steps, in the eval's prompt order, for each --explore-every x --decay, with the start-up probe's step
+costs (`step_costs`, measured here as eval.py measures them) as the price of each step; the table compares its
+expected tokens per second with each fixed candidate's, and prints the planner's estimates of the accepted drafts
+at the end of each prompt against the prompt's own means. Replayed steps keep the recorded trajectory (a budget
+that accepts less would have led elsewhere): a statistical replay, not a decode. Arguments other than the options
+are eval.py overrides (before the options that take several values).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import torch
+from hydra import compose, initialize_config_dir
+from timing import print_table_header
+
+from weaver.budget import BudgetPlanner
+from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
+from weaver.eval.run import auto_candidates, load_models, speculative_decoder, step_costs
+from weaver.pipeline import ROOT_CONF
+
+Steps = list[tuple[str, list[list[int]]]]  # per prompt: its dataset and each step's accepted tree nodes
+
+
+def record_paths(models, tokenizer, cfg, method: str, largest: float) -> Steps:
+    """Every step's accepted path (tree nodes, anchor excluded) with the anytime search at the largest budget."""
+    e, recorded = cfg.eval, []
+    for name in e.datasets:
+        for prompt in encode_prompts(load_prompt_set(cfg, name), tokenizer, e.n_prompts, e.prompt_tokens,
+                                     e.long_prompts, template_kwargs(cfg)):
+            paths: list[list[int]] = []
+            decode = speculative_decoder(models, cfg, method, tokenizer.eos_token_id, torch.Generator().manual_seed(e.seed),
+                                         on_step=lambda proposal, leaf: paths.append(proposal.tree.path_to(leaf)[1:].tolist()))
+            decode(prompt, BudgetPlanner(largest))  # one candidate: every step at it, built as `auto` builds trees
+            recorded.append((name, paths))
+    return recorded
+
+
+def accepted(path: list[int], budget: int) -> int:
+    return sum(1 for node in path if node <= budget)
+
+
+def fixed_rate(steps: Steps, costs: dict[int, float], budget: int) -> float:
+    """Expected committed tokens per second of a fixed budget over the recorded steps."""
+    paths = [p for _, prompt in steps for p in prompt]
+    return sum(1 + accepted(p, budget) for p in paths) / (costs[budget] * len(paths))
+
+
+def replay(steps: Steps, costs: dict[int, float], explore_every: int, decay: float) -> tuple[float, Counter, list]:
+    """(tokens per second, steps per budget, the planner's estimates after each prompt) of `auto` over the steps."""
+    planner = BudgetPlanner(dict(costs), explore_every, decay)
+    tokens = seconds = 0.0
+    chosen: Counter = Counter()
+    estimates = []
+    for _, prompt in steps:
+        for path in prompt:
+            budget = planner.next_budget()
+            chosen[budget] += 1
+            tokens += 1 + accepted(path, budget)
+            seconds += costs[budget]
+            planner.observe(budget, path)
+        estimates.append(planner.accepted)
+    return tokens / seconds, chosen, estimates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", default="ddtree")
+    parser.add_argument("--explore-every", type=int, nargs="+", default=None, help="default: eval.auto_budget's")
+    parser.add_argument("--decay", type=float, nargs="+", default=[0.9])
+    parser.add_argument("--threads", type=int, default=2)
+    args, overrides = parser.parse_known_args()
+    torch.set_num_threads(args.threads)
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        cfg = compose("eval", overrides=[*overrides, f"eval.methods=[{args.method}]"])
+    models, tokenizer = load_models(cfg)
+    costs = step_costs(models, cfg, args.method)
+    candidates = auto_candidates(cfg, models, args.method)
+    steps = record_paths(models, tokenizer, cfg, args.method, {candidates[-1]: costs[candidates[-1]]})
+    n_steps = sum(len(prompt) for _, prompt in steps)
+    print(f"{cfg.experiment}, {args.method}: {len(steps)} prompts, {n_steps} steps recorded at budget {candidates[-1]}; "
+          f"cpu {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads")
+    print_table_header("budget", "expected tokens/s", "vs best fixed", "steps per budget")
+    rates = {b: fixed_rate(steps, costs, b) for b in candidates}
+    best = max(rates.values())
+    for b, rate in rates.items():
+        print(f"| {b} | {rate:.1f} | {rate / best:.3f} | |")
+    last = None
+    for every in args.explore_every or [cfg.eval.auto_budget.explore_every]:
+        for decay in args.decay:
+            rate, chosen, last = replay(steps, costs, every, decay)
+            mix = ", ".join(f"{b}: {n}" for b, n in sorted(chosen.items()))
+            print(f"| auto (explore_every {every}, decay {decay}) | {rate:.1f} | {rate / best:.3f} | {mix} |")
+    print("\naccepted drafts per step at the end of each prompt, the planner's estimate (last replay) / the prompt's mean")
+    print_table_header("prompt", *map(str, candidates))
+    for (name, prompt), estimate in zip(steps, last):
+        cells = [f"{estimate[b]:.2f} / {sum(accepted(p, b) for p in prompt) / max(1, len(prompt)):.2f}" if b in estimate
+                 else "-" for b in candidates]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
