@@ -24,19 +24,19 @@ from hydra import compose, initialize_config_dir
 from timing import print_table_header
 
 from weaver.budget import BudgetPlanner
-from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
+from weaver.data.prompts import eval_prompts
 from weaver.eval.run import auto_candidates, load_models, speculative_decoder, step_costs
 from weaver.pipeline import ROOT_CONF
 
 Steps = list[tuple[str, list[list[int]]]]  # per prompt: its dataset and each step's accepted tree nodes
 
 
-def record_paths(models, tokenizer, cfg, method: str, largest: float) -> Steps:
-    """Every step's accepted path (tree nodes, anchor excluded) with the anytime search at the largest budget."""
+def record_paths(models, tokenizer, cfg, method: str, largest: dict[int, float]) -> Steps:
+    """Every step's accepted path (tree nodes, anchor excluded) with the anytime search at the largest budget
+    (`largest`: that budget and its step cost)."""
     e, recorded = cfg.eval, []
-    for name in e.datasets:
-        for prompt in encode_prompts(load_prompt_set(cfg, name), tokenizer, e.n_prompts, e.prompt_tokens,
-                                     e.long_prompts, template_kwargs(cfg)):
+    for name, prompts in eval_prompts(cfg, tokenizer).items():
+        for prompt in prompts:
             paths: list[list[int]] = []
             decode = speculative_decoder(models, cfg, method, tokenizer.eos_token_id, torch.Generator().manual_seed(e.seed),
                                          on_step=lambda proposal, leaf: paths.append(proposal.tree.path_to(leaf)[1:].tolist()))

@@ -28,7 +28,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from timing import print_table_header, timed  # noqa: E402
 
 from weaver.artifacts import load_target_and_tokenizer  # noqa: E402
-from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs  # noqa: E402
+from weaver.data.prompts import eval_prompts  # noqa: E402
 from weaver.generate import generate  # noqa: E402
 from weaver.models.target import TargetModel  # noqa: E402
 from weaver.pipeline import ROOT_CONF  # noqa: E402
@@ -67,9 +67,7 @@ def main() -> None:
     for name, s in seconds.items():
         print(f"| {name} | {args.batch * args.new_tokens / statistics.median(s):.1f} | {fp32 / statistics.median(s):.2f}x |")
     if args.agreement:
-        prompts = [ids for name in cfg.eval.datasets for ids in encode_prompts(
-            load_prompt_set(cfg, name), tokenizer, cfg.eval.n_prompts, cfg.eval.prompt_tokens,
-            template_kwargs=template_kwargs(cfg))]
+        prompts = [p for ids in eval_prompts(cfg, tokenizer).values() for p in ids]
         print(f"\ngreedy tokens decoded one at a time against the same tokens read {args.agreement} at a time, "
               f"{len(prompts)} eval prompts x {args.new_tokens} new tokens")
         print_table_header("weights", "positions whose argmax differs", "answers that would differ")

@@ -30,7 +30,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
+from weaver.data.prompts import eval_prompts
 from weaver.eval.run import SHARES, load_models, method_spec, run_ar, run_speculative, warm_up
 from weaver.io import atomic_write_text
 from weaver.pipeline import ROOT_CONF
@@ -73,9 +73,7 @@ def main() -> None:
             else {label: parse_run(label) for label in args.runs})
     eos = tokenizer.eos_token_id
     warm_up(models, cfg, eos or 0, [(method, budget) for method, budget, _ in runs.values()])
-    prompts = [p for name in e.datasets
-               for p in encode_prompts(load_prompt_set(cfg, name), tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts,
-                                      template_kwargs(cfg))]
+    prompts = [p for ids in eval_prompts(cfg, tokenizer).values() for p in ids]
     for method, budget, search in runs.values():  # a run's own search settings may compile other graphs
         if search:
             run_speculative(models, prompts[:1], with_search(cfg, search), eos, method, budget)

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 
 from spec_decode import parse_run, with_search
 from timing import print_table_header
-from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
+from weaver.data.prompts import eval_prompts
 from weaver.eval.run import load_models, speculative_decoder
 from weaver.io import atomic_write_text
 from weaver.pipeline import ROOT_CONF
@@ -62,9 +62,7 @@ def main() -> None:
         cfg = compose("eval", overrides=[*overrides, "eval.temperature=0", f"eval.methods=[ar,{','.join(methods)}]"])
     e = cfg.eval
     models, tokenizer = load_models(cfg)
-    prompts = [p for name in e.datasets
-               for p in encode_prompts(load_prompt_set(cfg, name), tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts,
-                                      template_kwargs(cfg))]
+    prompts = [p for ids in eval_prompts(cfg, tokenizer).values() for p in ids]
     print(f"{cfg.experiment}: {len(prompts)} prompts x {e.max_new_tokens} new tokens, greedy, "
           f"cpu {torch.backends.cpu.get_cpu_capability()}")
     results = {}

@@ -235,6 +235,14 @@ def template_kwargs(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg.model.chat_template_kwargs)
 
 
+def eval_prompts(cfg: DictConfig, tokenizer) -> dict[str, list[list[int]]]:
+    """Each eval dataset's prompts (eval.datasets, eval.n_prompts, eval.prompt_tokens, eval.long_prompts), encoded
+    in the target's chat template: what the benchmarks decode."""
+    e = cfg.eval
+    return {name: encode_prompts(load_prompt_set(cfg, name), tokenizer, e.n_prompts, e.prompt_tokens, e.long_prompts,
+                                 template_kwargs(cfg)) for name in e.datasets}
+
+
 def encode_text(tokenizer, text: str, template_kwargs: dict | None = None) -> list[int]:
     """Token ids of one user prompt: through the chat template (with `template_kwargs`) when the tokenizer has one."""
     if getattr(tokenizer, "chat_template", None):
