@@ -11,13 +11,21 @@ costs (`step_costs`, measured here as eval.py measures them) as the price of eac
 expected tokens per second with each fixed candidate's, and prints the planner's estimates of the accepted drafts
 at the end of each prompt against the prompt's own means. Replayed steps keep the recorded trajectory (a budget
 that accepts less would have led elsewhere): a statistical replay, not a decode. Arguments other than the options
-are eval.py overrides (before the options that take several values).
+are eval.py overrides (before the options that take several values). `--paths FILE.json` keeps the recording
+(steps and step costs) to replay planner settings without decoding again: read when FILE exists, else written.
+`--orders N` also replays the prompts in N - 1 seeded shuffled orders (one trajectory is one draw of the planner's
+noise: the spread says how far a setting's lead is luck).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import random
+import statistics
+import json
 from collections import Counter
+from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -26,6 +34,7 @@ from timing import print_table_header
 from weaver.budget import BudgetPlanner
 from weaver.data.prompts import eval_prompts
 from weaver.eval.run import auto_candidates, load_models, speculative_decoder, step_costs
+from weaver.io import atomic_write_json
 from weaver.pipeline import ROOT_CONF
 
 Steps = list[tuple[str, list[list[int]]]]  # per prompt: its dataset and each step's accepted tree nodes
@@ -55,9 +64,9 @@ def fixed_rate(steps: Steps, costs: dict[int, float], budget: int) -> float:
     return sum(1 + accepted(p, budget) for p in paths) / (costs[budget] * len(paths))
 
 
-def replay(steps: Steps, costs: dict[int, float], explore_every: int, decay: float) -> tuple[float, Counter, list]:
+def replay(steps: Steps, costs: dict[int, float], explore_every: int, decay: float, reach: float) -> tuple[float, Counter, list]:
     """(tokens per second, steps per budget, the planner's estimates after each prompt) of `auto` over the steps."""
-    planner = BudgetPlanner(dict(costs), explore_every, decay)
+    planner = BudgetPlanner(dict(costs), explore_every, decay, reach)
     tokens = seconds = 0.0
     chosen: Counter = Counter()
     estimates = []
@@ -77,29 +86,45 @@ def main() -> None:
     parser.add_argument("--method", default="ddtree")
     parser.add_argument("--explore-every", type=int, nargs="+", default=None, help="default: eval.auto_budget's")
     parser.add_argument("--decay", type=float, nargs="+", default=[0.9])
+    parser.add_argument("--explore-reach", type=float, nargs="+", default=None, help="default: eval.auto_budget's")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--orders", type=int, default=1, help="prompt orders replayed (the eval's first, then shuffles)")
+    parser.add_argument("--paths", type=Path, default=None, help="recorded steps and costs: replayed if it exists, else written")
     args, overrides = parser.parse_known_args()
     torch.set_num_threads(args.threads)
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
         cfg = compose("eval", overrides=[*overrides, f"eval.methods=[{args.method}]"])
-    models, tokenizer = load_models(cfg)
-    costs = step_costs(models, cfg, args.method)
-    candidates = auto_candidates(cfg, models, args.method)
-    steps = record_paths(models, tokenizer, cfg, args.method, {candidates[-1]: costs[candidates[-1]]})
+    if args.paths and args.paths.exists():
+        recorded = json.loads(args.paths.read_text())
+        costs = {int(b): c for b, c in recorded["costs"].items()}
+        steps, candidates, cpu = [tuple(prompt) for prompt in recorded["steps"]], list(costs), recorded["cpu"]
+    else:
+        models, tokenizer = load_models(cfg)
+        costs = step_costs(models, cfg, args.method)
+        candidates = auto_candidates(cfg, models, args.method)
+        steps = record_paths(models, tokenizer, cfg, args.method, {candidates[-1]: costs[candidates[-1]]})
+        cpu = torch.backends.cpu.get_cpu_capability()
+        if args.paths:
+            atomic_write_json(args.paths, {"costs": costs, "steps": steps, "cpu": cpu})
     n_steps = sum(len(prompt) for _, prompt in steps)
     print(f"{cfg.experiment}, {args.method}: {len(steps)} prompts, {n_steps} steps recorded at budget {candidates[-1]}; "
-          f"cpu {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads")
-    print_table_header("budget", "expected tokens/s", "vs best fixed", "steps per budget")
+          f"cpu {cpu}, {args.threads} threads")
+    print_table_header("budget", "expected tokens/s", "vs best fixed", "steps per budget",
+                       f"vs best fixed over {args.orders} prompt orders: median (min-max)")
     rates = {b: fixed_rate(steps, costs, b) for b in candidates}
     best = max(rates.values())
     for b, rate in rates.items():
-        print(f"| {b} | {rate:.1f} | {rate / best:.3f} | |")
+        print(f"| {b} | {rate:.1f} | {rate / best:.3f} | | |")
     last = None
-    for every in args.explore_every or [cfg.eval.auto_budget.explore_every]:
-        for decay in args.decay:
-            rate, chosen, last = replay(steps, costs, every, decay)
-            mix = ", ".join(f"{b}: {n}" for b, n in sorted(chosen.items()))
-            print(f"| auto (explore_every {every}, decay {decay}) | {rate:.1f} | {rate / best:.3f} | {mix} |")
+    auto = cfg.eval.auto_budget
+    orders = [random.Random(seed).sample(steps, len(steps)) for seed in range(1, args.orders)]
+    for every, decay, reach in itertools.product(args.explore_every or [auto.explore_every], args.decay,
+                                                 args.explore_reach or [auto.explore_reach]):
+        rate, chosen, last = replay(steps, costs, every, decay, reach)
+        mix = ", ".join(f"{b}: {n}" for b, n in sorted(chosen.items()))
+        spread = sorted([rate / best] + [replay(shuffled, costs, every, decay, reach)[0] / best for shuffled in orders])
+        print(f"| auto (explore_every {every}, decay {decay}, reach {reach}) | {rate:.1f} | {rate / best:.3f} | {mix} | "
+              f"{statistics.median(spread):.3f} ({spread[0]:.3f}-{spread[-1]:.3f}) |")
     print("\naccepted drafts per step at the end of each prompt, the planner's estimate (last replay) / the prompt's mean")
     print_table_header("prompt", *map(str, candidates))
     for (name, prompt), estimate in zip(steps, last):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -30,16 +31,24 @@ def test_speculative_decoding_benchmark_runs(smoke_outputs):
     assert rows == ["run", "ar", "chain:3", "weaver:4", "weaver:4:rescore=2"]
 
 
-def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs):
+def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs, tmp_path):
     done = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--method", "ddtree",
-                      "--explore-every", "2", "4", "--threads", "1", "eval.datasets=[heldout_code]", "eval.n_prompts=2",
-                      "eval.max_new_tokens=12", "eval.compile=false")
+                      "--explore-every", "2", "4", "--threads", "1", "--orders", "3", "--paths", str(tmp_path / "paths.json"),
+                      "eval.datasets=[heldout_code]", "eval.n_prompts=2", "eval.max_new_tokens=12", "eval.compile=false")
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line.split("|")[1:4] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     labels = [row[0].strip() for row in rows]
-    assert labels[:6] == ["budget", "1", "2", "4", "auto (explore_every 2, decay 0.9)", "auto (explore_every 4, decay 0.9)"]
+    assert labels[:6] == ["budget", "1", "2", "4", "auto (explore_every 2, decay 0.9, reach 1.5)", "auto (explore_every 4, decay 0.9, reach 1.5)"]
     assert max(float(row[2]) for row in rows[1:4]) == 1.0  # the best fixed budget is the reference
+    for row in rows[4:6]:  # the eval order's ratio lies within the spread over 3 orders
+        median, low, high = map(float, re.fullmatch(r"(\S+) \((\S+)-(\S+)\)", row[4].strip()).groups())
+        assert low <= float(row[2]) <= high and low <= median <= high
     assert labels[6:] == ["prompt", "heldout_code", "heldout_code"]  # the planner's estimates after each prompt
+    recorded = json.loads((tmp_path / "paths.json").read_text())
+    assert len(recorded["steps"]) == 2 and set(recorded["costs"]) == {"1", "2", "4"}
+    again = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--method", "ddtree", "--explore-every", "2",
+                       "4", "--threads", "1", "--orders", "3", "--paths", str(tmp_path / "paths.json"), "eval.datasets=[heldout_code]")
+    assert again.returncode == 0 and again.stdout.splitlines()[-12:] == done.stdout.splitlines()[-12:]  # replayed from the file
 
 
 def test_best_budget_sweep_writes_rows(smoke_outputs, tmp_path):

@@ -86,6 +86,46 @@ def test_exploration_backs_off_while_the_choice_holds_and_restarts_when_it_moves
     assert budgets == [2, 2, 2, 2, 8]  # the new choice is explored above 4 steps after it was made
 
 
+def test_exploration_reaches_past_a_plateau():
+    """The first step accepted nothing, so every gain starts at zero and the planner picks budget 1; the
+    drafts that pay sit between budgets 2 and 4, a gain the next larger candidate (2) never shows. Exploring
+    as far as a step costing 1.5 times the choice's (here budget 8) finds them, and the choice moves to 4."""
+    planner = BudgetPlanner({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 2.5}, explore_every=4)
+    assert planner.next_budget() == 16
+    planner.observe(16, [])
+    explored = []
+    for step in range(2, 60):
+        budget = planner.next_budget()
+        if budget != planner.choice:
+            explored.append(budget)
+        planner.observe(budget, [1, 3, 4])  # within 1 and 2: one; within 4 and above: three
+    assert explored[0] == 8 and planner.best() == 4  # (1 + 3) / 1.1 beats (1 + 1) / 1.0
+    assert planner.accepted[4] == pytest.approx(3, abs=0.05)
+
+
+def test_a_gain_read_after_a_long_gap_outweighs_its_stale_estimate():
+    """The gain 1 -> 4 read as zero for 20 steps, then not at all for 30 (the choice sat at 1): the next
+    reading (2) weighs as the 30 steps of decay say (1 - 0.9 ** 31), not as one step's 0.1."""
+    planner = BudgetPlanner({1: 1.0, 4: 1.2}, explore_every=4, decay=0.9)
+    for _ in range(20):
+        planner.next_budget()
+        planner.observe(4, [1])
+    for _ in range(30):
+        planner.next_budget()
+        planner.observe(1, [1])
+    planner.next_budget()
+    planner.observe(4, [1, 2, 3])
+    assert planner.accepted[4] - planner.accepted[1] == pytest.approx(2 * (1 - 0.9 ** 31))
+
+
+def test_exploration_stays_within_its_reach():
+    planner = BudgetPlanner({1: 1.0, 2: 1.5, 4: 2.5, 8: 4.0}, explore_every=2, explore_reach=2.0)
+    assert planner._explored_from(1) == 2 and planner._explored_from(2) == 4  # 1.5 <= 2.0; 2.5 <= 3.0 < 4.0
+    assert BudgetPlanner({1: 1.0, 4: 3.0}, explore_reach=2.0)._explored_from(1) == 4  # beyond reach: the next one
+    assert planner._explored_from(8) == 8
+    assert BudgetPlanner({1: 1.0, 2: 1.5, 4: 2.5, 8: 4.0}, explore_reach=4.0)._explored_from(1) == 8
+
+
 def test_rarely_seen_budgets_borrow_the_frequent_level():
     """A larger budget seen only on exploration steps moves with the smaller one's fresh estimate."""
     planner = BudgetPlanner({4: 1.0, 16: 1.5}, explore_every=8)
@@ -110,6 +150,8 @@ def test_planner_settings_are_checked():
         BudgetPlanner({0: 1.0})
     with pytest.raises(WeaverError, match="explore_every"):
         BudgetPlanner({4: 1.0}, explore_every=1)
+    with pytest.raises(WeaverError, match="explore_reach"):
+        BudgetPlanner({4: 1.0}, explore_reach=0.5)
 
 
 def test_step_costs_are_interleaved_medians():

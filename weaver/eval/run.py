@@ -141,7 +141,8 @@ def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, e
     drafter = models["drafter"]
     label = f"{method}@{budget}"
     if budget == "auto":
-        budget = BudgetPlanner(step_costs(models, cfg, method), e.auto_budget.explore_every)
+        auto = e.auto_budget
+        budget = BudgetPlanner(step_costs(models, cfg, method), auto.explore_every, explore_reach=auto.explore_reach)
     decode = speculative_decoder(models, cfg, method, eos, generator)
     outputs, stats, seconds = decode_all(prompts, lambda p: decode(p, budget), label)
     total = SpecStats.merge(stats)
