@@ -14,7 +14,9 @@ that accepts less would have led elsewhere): a statistical replay, not a decode.
 are eval.py overrides (before the options that take several values). `--paths FILE.json` keeps the recording
 (steps and step costs) to replay planner settings without decoding again: read when FILE exists, else written.
 `--orders N` also replays the prompts in N - 1 seeded shuffled orders (one trajectory is one draw of the planner's
-noise: the spread says how far a setting's lead is luck).
+noise: the spread says how far a setting's lead is luck). Two reference rows say where the rest goes: the planner
+told the recording's mean accepted drafts (what its exploration alone costs) and each prompt at its own best fixed
+budget (what following the prompt could gain over the best single budget).
 """
 
 from __future__ import annotations
@@ -64,9 +66,32 @@ def fixed_rate(steps: Steps, costs: dict[int, float], budget: int) -> float:
     return sum(1 + accepted(p, budget) for p in paths) / (costs[budget] * len(paths))
 
 
-def replay(steps: Steps, costs: dict[int, float], explore_every: int, decay: float, reach: float) -> tuple[float, Counter, list]:
+def prompt_oracle_rate(steps: Steps, costs: dict[int, float]) -> float:
+    """Expected tokens per second with each prompt at its own best fixed budget: what following the prompt could give."""
+    tokens = seconds = 0.0
+    for _, prompt in steps:
+        budget = max(costs, key=lambda b: fixed_rate([("", prompt)], costs, b))
+        tokens += sum(1 + accepted(p, budget) for p in prompt)
+        seconds += costs[budget] * len(prompt)
+    return tokens / seconds
+
+
+class KnownMeans(BudgetPlanner):
+    """The planner told the recording's mean accepted drafts per candidate: what its exploration alone costs."""
+
+    def __init__(self, steps: Steps, costs: dict[int, float], explore_every: int, decay: float, reach: float):
+        super().__init__(dict(costs), explore_every, decay, reach)
+        paths = [p for _, prompt in steps for p in prompt]
+        means = [sum(accepted(p, b) for p in paths) / len(paths) for b in self.candidates]
+        self.base, self.gains = means[0], [b - a for a, b in zip(means, means[1:])]
+        self.counts = [len(paths)] * len(self.candidates)
+
+    def observe(self, budget: int, path: list[int], seconds: float | None = None) -> None:
+        pass
+
+
+def replay(steps: Steps, planner: BudgetPlanner, costs: dict[int, float]) -> tuple[float, Counter, list]:
     """(tokens per second, steps per budget, the planner's estimates after each prompt) of `auto` over the steps."""
-    planner = BudgetPlanner(dict(costs), explore_every, decay, reach)
     tokens = seconds = 0.0
     chosen: Counter = Counter()
     estimates = []
@@ -120,11 +145,17 @@ def main() -> None:
     orders = [random.Random(seed).sample(steps, len(steps)) for seed in range(1, args.orders)]
     for every, decay, reach in itertools.product(args.explore_every or [auto.explore_every], args.decay,
                                                  args.explore_reach or [auto.explore_reach]):
-        rate, chosen, last = replay(steps, costs, every, decay, reach)
+        settings = f"explore_every {every}, decay {decay}, reach {reach}"
+        rate, chosen, last = replay(steps, BudgetPlanner(dict(costs), every, decay, reach), costs)
         mix = ", ".join(f"{b}: {n}" for b, n in sorted(chosen.items()))
-        spread = sorted([rate / best] + [replay(shuffled, costs, every, decay, reach)[0] / best for shuffled in orders])
-        print(f"| auto (explore_every {every}, decay {decay}, reach {reach}) | {rate:.1f} | {rate / best:.3f} | {mix} | "
+        spread = sorted([rate / best] + [replay(shuffled, BudgetPlanner(dict(costs), every, decay, reach), costs)[0] / best
+                                         for shuffled in orders])
+        print(f"| auto ({settings}) | {rate:.1f} | {rate / best:.3f} | {mix} | "
               f"{statistics.median(spread):.3f} ({spread[0]:.3f}-{spread[-1]:.3f}) |")
+        known = replay(steps, KnownMeans(steps, costs, every, decay, reach), costs)[0]
+        print(f"| auto knowing the mean accepted drafts ({settings}): exploration's cost | {known:.1f} | {known / best:.3f} | | |")
+    oracle = prompt_oracle_rate(steps, costs)
+    print(f"| each prompt at its own best fixed budget | {oracle:.1f} | {oracle / best:.3f} | | |")
     print("\naccepted drafts per step at the end of each prompt, the planner's estimate (last replay) / the prompt's mean")
     print_table_header("prompt", *map(str, candidates))
     for (name, prompt), estimate in zip(steps, last):

@@ -38,12 +38,17 @@ def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs, tmp_
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     labels = [row[0].strip() for row in rows]
-    assert labels[:6] == ["budget", "1", "2", "4", "auto (explore_every 2, decay 0.9, reach 1.5)", "auto (explore_every 4, decay 0.9, reach 1.5)"]
-    assert max(float(row[2]) for row in rows[1:4]) == 1.0  # the best fixed budget is the reference
-    for row in rows[4:6]:  # the eval order's ratio lies within the spread over 3 orders
+    settings = ["explore_every 2, decay 0.9, reach 1.5", "explore_every 4, decay 0.9, reach 1.5"]
+    assert labels[:9] == ["budget", "1", "2", "4", *[label for every in settings for label in (
+        f"auto ({every})", f"auto knowing the mean accepted drafts ({every}): exploration's cost")],
+        "each prompt at its own best fixed budget"]
+    fixed = [float(row[2]) for row in rows[1:4]]
+    assert max(fixed) == 1.0  # the best fixed budget is the reference
+    assert float(rows[8][2]) >= 1.0  # each prompt at its best budget is at least the best single budget
+    for row in (rows[4], rows[6]):  # the eval order's ratio lies within the spread over 3 orders
         median, low, high = map(float, re.fullmatch(r"(\S+) \((\S+)-(\S+)\)", row[4].strip()).groups())
         assert low <= float(row[2]) <= high and low <= median <= high
-    assert labels[6:] == ["prompt", "heldout_code", "heldout_code"]  # the planner's estimates after each prompt
+    assert labels[9:] == ["prompt", "heldout_code", "heldout_code"]  # the planner's estimates after each prompt
     recorded = json.loads((tmp_path / "paths.json").read_text())
     assert len(recorded["steps"]) == 2 and set(recorded["costs"]) == {"1", "2", "4"}
     again = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--method", "ddtree", "--explore-every", "2",
