@@ -110,7 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="ddtree")
     parser.add_argument("--explore-every", type=int, nargs="+", default=None, help="default: eval.auto_budget's")
-    parser.add_argument("--decay", type=float, nargs="+", default=[0.9])
+    parser.add_argument("--decay", type=float, nargs="+", default=None, help="default: eval.auto_budget's")
     parser.add_argument("--explore-reach", type=float, nargs="+", default=None, help="default: eval.auto_budget's")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--orders", type=int, default=1, help="prompt orders replayed (the eval's first, then shuffles)")
@@ -119,8 +119,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
         cfg = compose("eval", overrides=[*overrides, f"eval.methods=[{args.method}]"])
+    recording = {"experiment": cfg.experiment, "method": args.method}
     if args.paths and args.paths.exists():
         recorded = json.loads(args.paths.read_text())
+        if {k: recorded.get(k) for k in recording} != recording:
+            raise SystemExit(f"{args.paths} records {recorded.get('method')} on {recorded.get('experiment')}, not "
+                             f"{args.method} on {cfg.experiment}: another --paths file, or delete it to record again")
         costs = {int(b): c for b, c in recorded["costs"].items()}
         steps, candidates, cpu = [tuple(prompt) for prompt in recorded["steps"]], list(costs), recorded["cpu"]
     else:
@@ -130,7 +134,7 @@ def main() -> None:
         steps = record_paths(models, tokenizer, cfg, args.method, {candidates[-1]: costs[candidates[-1]]})
         cpu = torch.backends.cpu.get_cpu_capability()
         if args.paths:
-            atomic_write_json(args.paths, {"costs": costs, "steps": steps, "cpu": cpu})
+            atomic_write_json(args.paths, {**recording, "costs": costs, "steps": steps, "cpu": cpu})
     n_steps = sum(len(prompt) for _, prompt in steps)
     print(f"{cfg.experiment}, {args.method}: {len(steps)} prompts, {n_steps} steps recorded at budget {candidates[-1]}; "
           f"cpu {cpu}, {args.threads} threads")
@@ -143,7 +147,7 @@ def main() -> None:
     last = None
     auto = cfg.eval.auto_budget
     orders = [random.Random(seed).sample(steps, len(steps)) for seed in range(1, args.orders)]
-    for every, decay, reach in itertools.product(args.explore_every or [auto.explore_every], args.decay,
+    for every, decay, reach in itertools.product(args.explore_every or [auto.explore_every], args.decay or [auto.decay],
                                                  args.explore_reach or [auto.explore_reach]):
         settings = f"explore_every {every}, decay {decay}, reach {reach}"
         rate, chosen, last = replay(steps, BudgetPlanner(dict(costs), every, decay, reach), costs)

@@ -38,7 +38,7 @@ def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs, tmp_
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     labels = [row[0].strip() for row in rows]
-    settings = ["explore_every 2, decay 0.9, reach 1.5", "explore_every 4, decay 0.9, reach 1.5"]
+    settings = ["explore_every 2, decay 0.98, reach 1.75", "explore_every 4, decay 0.98, reach 1.75"]
     assert labels[:9] == ["budget", "1", "2", "4", *[label for every in settings for label in (
         f"auto ({every})", f"auto knowing the mean accepted drafts ({every}): exploration's cost")],
         "each prompt at its own best fixed budget"]
@@ -54,6 +54,9 @@ def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs, tmp_
     again = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--method", "ddtree", "--explore-every", "2",
                        "4", "--threads", "1", "--orders", "3", "--paths", str(tmp_path / "paths.json"), "eval.datasets=[heldout_code]")
     assert again.returncode == 0 and again.stdout.splitlines()[-12:] == done.stdout.splitlines()[-12:]  # replayed from the file
+    other = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--method", "weaver", "--paths",
+                       str(tmp_path / "paths.json"))
+    assert other.returncode != 0 and "records ddtree on smoke, not weaver on smoke" in other.stderr
 
 
 def test_best_budget_sweep_writes_rows(smoke_outputs, tmp_path):

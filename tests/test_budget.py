@@ -89,7 +89,7 @@ def test_exploration_backs_off_while_the_choice_holds_and_restarts_when_it_moves
 def test_exploration_reaches_past_a_plateau():
     """The first step accepted nothing, so every gain starts at zero and the planner picks budget 1; the
     drafts that pay sit between budgets 2 and 4, a gain the next larger candidate (2) never shows. Exploring
-    as far as a step costing 1.5 times the choice's (here budget 8) finds them, and the choice moves to 4."""
+    as far as a step costing 1.75 times the choice's (here budget 8) finds them, and the choice moves to 4."""
     planner = BudgetPlanner({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 2.5}, explore_every=4)
     assert planner.next_budget() == 16
     planner.observe(16, [])
@@ -100,7 +100,7 @@ def test_exploration_reaches_past_a_plateau():
             explored.append(budget)
         planner.observe(budget, [1, 3, 4])  # within 1 and 2: one; within 4 and above: three
     assert explored[0] == 8 and planner.best() == 4  # (1 + 3) / 1.1 beats (1 + 1) / 1.0
-    assert planner.accepted[4] == pytest.approx(3, abs=0.05)
+    assert planner.accepted[4] == pytest.approx(3, abs=0.1)  # a plain mean of the readings: 0 once, then 3
 
 
 def test_a_gain_read_after_a_long_gap_outweighs_its_stale_estimate():
@@ -152,6 +152,9 @@ def test_planner_settings_are_checked():
         BudgetPlanner({4: 1.0}, explore_every=1)
     with pytest.raises(WeaverError, match="explore_reach"):
         BudgetPlanner({4: 1.0}, explore_reach=0.5)
+    for decay in (1.0, -0.1, "0.9"):
+        with pytest.raises(WeaverError, match="decay"):
+            BudgetPlanner({4: 1.0}, decay=decay)
 
 
 def test_step_costs_are_interleaved_medians():

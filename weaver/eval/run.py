@@ -142,7 +142,7 @@ def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, e
     label = f"{method}@{budget}"
     if budget == "auto":
         auto = e.auto_budget
-        budget = BudgetPlanner(step_costs(models, cfg, method), auto.explore_every, explore_reach=auto.explore_reach)
+        budget = BudgetPlanner(step_costs(models, cfg, method), auto.explore_every, auto.decay, auto.explore_reach)
     decode = speculative_decoder(models, cfg, method, eos, generator)
     outputs, stats, seconds = decode_all(prompts, lambda p: decode(p, budget), label)
     total = SpecStats.merge(stats)
