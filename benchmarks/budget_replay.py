@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import random
 import statistics
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -87,7 +87,7 @@ class KnownMeans(BudgetPlanner):
         self.counts = [len(paths)] * len(self.candidates)
 
     def observe(self, budget: int, path: list[int], seconds: float | None = None) -> None:
-        pass
+        pass  # the means stay the recording's
 
 
 def replay(steps: Steps, planner: BudgetPlanner, costs: dict[int, float]) -> tuple[float, Counter, list]:
@@ -132,12 +132,12 @@ def main() -> None:
         costs = step_costs(models, cfg, args.method)
         candidates = auto_candidates(cfg, models, args.method)
         steps = record_paths(models, tokenizer, cfg, args.method, {candidates[-1]: costs[candidates[-1]]})
-        cpu = torch.backends.cpu.get_cpu_capability()
+        cpu = f"{torch.backends.cpu.get_cpu_capability()}, {args.threads} threads"
         if args.paths:
             atomic_write_json(args.paths, {**recording, "costs": costs, "steps": steps, "cpu": cpu})
     n_steps = sum(len(prompt) for _, prompt in steps)
     print(f"{cfg.experiment}, {args.method}: {len(steps)} prompts, {n_steps} steps recorded at budget {candidates[-1]}; "
-          f"cpu {cpu}, {args.threads} threads")
+          f"recorded on cpu {cpu}")
     print_table_header("budget", "expected tokens/s", "vs best fixed", "steps per budget",
                        f"vs best fixed over {args.orders} prompt orders: median (min-max)")
     rates = {b: fixed_rate(steps, costs, b) for b in candidates}
