@@ -121,7 +121,10 @@ def main() -> None:
         cfg = compose("eval", overrides=[*overrides, f"eval.methods=[{args.method}]"])
     recording = {"experiment": cfg.experiment, "method": args.method}
     if args.paths and args.paths.exists():
-        recorded = json.loads(args.paths.read_text())
+        try:
+            recorded = json.loads(args.paths.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise SystemExit(f"{args.paths} is not a recording of this script ({err}): delete it to record again") from None
         if {k: recorded.get(k) for k in recording} != recording:
             raise SystemExit(f"{args.paths} records {recorded.get('method')} on {recorded.get('experiment')}, not "
                              f"{args.method} on {cfg.experiment}: another --paths file, or delete it to record again")

@@ -57,6 +57,10 @@ def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs, tmp_
     other = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--method", "weaver", "--paths",
                        str(tmp_path / "paths.json"))
     assert other.returncode != 0 and "records ddtree on smoke, not weaver on smoke" in other.stderr
+    (tmp_path / "paths.json").write_text('{"costs": ')  # cut short
+    corrupt = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--paths", str(tmp_path / "paths.json"))
+    assert corrupt.returncode != 0 and "is not a recording of this script" in corrupt.stderr
+    assert "Traceback" not in corrupt.stderr
 
 
 def test_best_budget_sweep_writes_rows(smoke_outputs, tmp_path):
