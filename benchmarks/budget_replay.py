@@ -22,6 +22,7 @@ budget (what following the prompt could gain over the best single budget).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import random
@@ -153,10 +154,10 @@ def main() -> None:
     for every, decay, reach in itertools.product(args.explore_every or [auto.explore_every], args.decay or [auto.decay],
                                                  args.explore_reach or [auto.explore_reach]):
         settings = f"explore_every {every}, decay {decay}, reach {reach}"
-        rate, chosen, last = replay(steps, BudgetPlanner(dict(costs), every, decay, reach), costs)
+        planner = functools.partial(BudgetPlanner, dict(costs), every, decay, reach)  # a fresh one per replay
+        rate, chosen, last = replay(steps, planner(), costs)
         mix = ", ".join(f"{b}: {n}" for b, n in sorted(chosen.items()))
-        spread = sorted([rate / best] + [replay(shuffled, BudgetPlanner(dict(costs), every, decay, reach), costs)[0] / best
-                                         for shuffled in orders])
+        spread = sorted([rate / best] + [replay(shuffled, planner(), costs)[0] / best for shuffled in orders])
         print(f"| auto ({settings}) | {rate:.1f} | {rate / best:.3f} | {mix} | "
               f"{statistics.median(spread):.3f} ({spread[0]:.3f}-{spread[-1]:.3f}) |")
         known = replay(steps, KnownMeans(steps, costs, every, decay, reach), costs)[0]

@@ -63,7 +63,10 @@ def drafter_dtype(setting: str, target_dtype: torch.dtype, device: torch.device)
     if setting == "model":
         return target_dtype
     if setting == "auto":
-        return _bf16_where_fast("drafter", target_dtype, device)
+        fast, reason = bf16_is_fast(device.type)
+        dtype = torch.bfloat16 if fast else target_dtype
+        _announce(f"drafter dtype: {str(dtype).removeprefix('torch.')} ({reason})")
+        return dtype
     if setting not in DTYPES or DTYPES[setting] is None:
         raise WeaverError(f"drafter.dtype must be model, auto, {', '.join(k for k in DTYPES if k != 'auto')}, "
                           f"not '{setting}'")
@@ -77,18 +80,12 @@ def data_dtype(setting: str, model_setting: str, device: torch.device) -> torch.
     if setting == "model":
         return inference_dtype(model_setting, device)
     if setting == "auto":
-        return _bf16_where_fast("rollouts", torch.float32, device)
+        dtype = auto_data_dtype(device)
+        _announce(f"rollouts dtype: {str(dtype).removeprefix('torch.')} ({bf16_is_fast(device.type)[1]})")
+        return dtype
     if setting not in DTYPES:
         raise WeaverError(f"rollouts.dtype must be model or one of {', '.join(DTYPES)}, not '{setting}'")
     return DTYPES[setting]
-
-
-def _bf16_where_fast(what: str, otherwise: torch.dtype, device: torch.device) -> torch.dtype:
-    """An `auto` dtype setting: bf16 where its matmuls are fast on this device, else `otherwise` (printed once)."""
-    fast, reason = bf16_is_fast(device.type)
-    dtype = torch.bfloat16 if fast else otherwise
-    _announce(f"{what} dtype: {str(dtype).removeprefix('torch.')} ({reason})")
-    return dtype
 
 
 def auto_data_dtype(device: torch.device) -> torch.dtype:
