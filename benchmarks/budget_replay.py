@@ -16,7 +16,10 @@ are eval.py overrides (before the options that take several values). `--paths FI
 `--orders N` also replays the prompts in N - 1 seeded shuffled orders (one trajectory is one draw of the planner's
 noise: the spread says how far a setting's lead is luck). Two reference rows say where the rest goes: the planner
 told the recording's mean accepted drafts (what its exploration alone costs) and each prompt at its own best fixed
-budget (what following the prompt could gain over the best single budget).
+budget (what following the prompt could gain over the best single budget). The recording also keeps each step's
+path probabilities (`Proposal.path_probs` of the tree's nodes), so the stepwise planner (`StepwisePlanner`: each
+step's budget from its own tree, what greedy chains and DDTrees use) is replayed beside it, priced by the probe's
+costs of its own steps (which build the largest candidate's tree and verify its first b nodes).
 """
 
 from __future__ import annotations
@@ -34,27 +37,35 @@ import torch
 from hydra import compose, initialize_config_dir
 from timing import print_table_header
 
-from weaver.budget import BudgetPlanner
+from weaver.budget import BudgetPlanner, StepwisePlanner
 from weaver.data.prompts import eval_prompts
 from weaver.eval.run import auto_candidates, load_models, speculative_decoder, step_costs
 from weaver.io import atomic_write_json
 from weaver.pipeline import ROOT_CONF
 
 Steps = list[tuple[str, list[list[int]]]]  # per prompt: its dataset and each step's accepted tree nodes
+Expected = list[list[list[float]]]  # per prompt and step: expected accepted drafts within the tree's first 1, 2, ... nodes
 
 
-def record_paths(models, tokenizer, cfg, method: str, largest: dict[int, float]) -> Steps:
+def record_paths(models, tokenizer, cfg, method: str, largest: dict[int, float]) -> tuple[Steps, Expected]:
     """Every step's accepted path (tree nodes, anchor excluded) with the anytime search at the largest budget
-    (`largest`: that budget and its step cost)."""
-    e, recorded = cfg.eval, []
+    (`largest`: that budget and its step cost), and the step's expected accepted drafts by its path probabilities."""
+    e, recorded, expected_steps = cfg.eval, [], []
     for name, prompts in eval_prompts(cfg, tokenizer).items():
         for prompt in prompts:
             paths: list[list[int]] = []
+            expected: list[list[float]] = []
+
+            def on_step(proposal, leaf):
+                paths.append(proposal.tree.path_to(leaf)[1:].tolist())
+                expected.append([round(x, 5) for x in proposal.path_probs()[1:].cumsum(0).tolist()])
+
             decode = speculative_decoder(models, cfg, method, tokenizer.eos_token_id, torch.Generator().manual_seed(e.seed),
-                                         on_step=lambda proposal, leaf: paths.append(proposal.tree.path_to(leaf)[1:].tolist()))
+                                         on_step=on_step)
             decode(prompt, BudgetPlanner(largest))  # one candidate: every step at it, built as `auto` builds trees
             recorded.append((name, paths))
-    return recorded
+            expected_steps.append(expected)
+    return recorded, expected_steps
 
 
 def accepted(path: list[int], budget: int) -> int:
@@ -107,6 +118,19 @@ def replay(steps: Steps, planner: BudgetPlanner, costs: dict[int, float]) -> tup
     return tokens / seconds, chosen, estimates
 
 
+def replay_stepwise(steps: Steps, expected_steps: Expected, costs: dict[int, float]) -> tuple[float, Counter]:
+    """(tokens per second, steps per budget) of the stepwise planner: each step verifies the budget its own tree's
+    path probabilities pick, at `costs` (a stepwise step's, per budget verified)."""
+    planner, tokens, seconds, chosen = StepwisePlanner(dict(costs)), 0.0, 0.0, Counter()
+    for (_, prompt), expected in zip(steps, expected_steps):
+        for path, step_expected in zip(prompt, expected):
+            budget = planner.choose(step_expected)
+            chosen[budget] += 1
+            tokens += 1 + accepted(path, budget)
+            seconds += costs[budget]
+    return tokens / seconds, chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="ddtree")
@@ -131,14 +155,17 @@ def main() -> None:
                              f"{args.method} on {cfg.experiment}: another --paths file, or delete it to record again")
         costs = {int(b): c for b, c in recorded["costs"].items()}
         steps, candidates, cpu = [tuple(prompt) for prompt in recorded["steps"]], list(costs), recorded["cpu"]
+        expected, stepwise_costs = recorded.get("expected"), recorded.get("stepwise_costs")  # older recordings lack them
     else:
         models, tokenizer = load_models(cfg)
         costs = step_costs(models, cfg, args.method)
         candidates = auto_candidates(cfg, models, args.method)
-        steps = record_paths(models, tokenizer, cfg, args.method, {candidates[-1]: costs[candidates[-1]]})
+        stepwise_costs = step_costs(models, cfg, args.method, stepwise=True)
+        steps, expected = record_paths(models, tokenizer, cfg, args.method, {candidates[-1]: costs[candidates[-1]]})
         cpu = f"{torch.backends.cpu.get_cpu_capability()}, {args.threads} threads"
         if args.paths:
-            atomic_write_json(args.paths, {**recording, "costs": costs, "steps": steps, "cpu": cpu})
+            atomic_write_json(args.paths, {**recording, "costs": costs, "stepwise_costs": stepwise_costs, "steps": steps,
+                                           "expected": expected, "cpu": cpu})
     n_steps = sum(len(prompt) for _, prompt in steps)
     print(f"{cfg.experiment}, {args.method}: {len(steps)} prompts, {n_steps} steps recorded at budget {candidates[-1]}; "
           f"recorded on cpu {cpu}")
@@ -162,6 +189,10 @@ def main() -> None:
               f"{statistics.median(spread):.3f} ({spread[0]:.3f}-{spread[-1]:.3f}) |")
         known = replay(steps, KnownMeans(steps, costs, every, decay, reach), costs)[0]
         print(f"| auto knowing the mean accepted drafts ({settings}): exploration's cost | {known:.1f} | {known / best:.3f} | | |")
+    if expected and stepwise_costs:
+        rate, chosen = replay_stepwise(steps, expected, {int(b): c for b, c in stepwise_costs.items()})
+        mix = ", ".join(f"{b}: {n}" for b, n in sorted(chosen.items()))
+        print(f"| stepwise: each step's budget from its tree's path probabilities | {rate:.1f} | {rate / best:.3f} | {mix} | |")
     oracle = prompt_oracle_rate(steps, costs)
     print(f"| each prompt at its own best fixed budget | {oracle:.1f} | {oracle / best:.3f} | | |")
     print("\naccepted drafts per step at the end of each prompt, the planner's estimate (last replay) / the prompt's mean")

@@ -39,18 +39,21 @@ def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs, tmp_
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     labels = [row[0].strip() for row in rows]
     settings = ["explore_every 2, decay 0.98, reach 1.75", "explore_every 4, decay 0.98, reach 1.75"]
-    assert labels[:9] == ["budget", "1", "2", "4", *[label for every in settings for label in (
+    assert labels[:10] == ["budget", "1", "2", "4", *[label for every in settings for label in (
         f"auto ({every})", f"auto knowing the mean accepted drafts ({every}): exploration's cost")],
-        "each prompt at its own best fixed budget"]
+        "stepwise: each step's budget from its tree's path probabilities", "each prompt at its own best fixed budget"]
     fixed = [float(row[2]) for row in rows[1:4]]
     assert max(fixed) == 1.0  # the best fixed budget is the reference
-    assert float(rows[8][2]) >= 1.0  # each prompt at its best budget is at least the best single budget
+    assert float(rows[9][2]) >= 1.0  # each prompt at its best budget is at least the best single budget
+    assert sum(int(n) for n in re.findall(r": (\d+)", rows[8][3])) == sum(int(n) for n in re.findall(r": (\d+)", rows[4][3]))
     for row in (rows[4], rows[6]):  # the eval order's ratio lies within the spread over 3 orders
         median, low, high = map(float, re.fullmatch(r"(\S+) \((\S+)-(\S+)\)", row[4].strip()).groups())
         assert low <= float(row[2]) <= high and low <= median <= high
-    assert labels[9:] == ["prompt", "heldout_code", "heldout_code"]  # the planner's estimates after each prompt
+    assert labels[10:] == ["prompt", "heldout_code", "heldout_code"]  # the planner's estimates after each prompt
     recorded = json.loads((tmp_path / "paths.json").read_text())
     assert len(recorded["steps"]) == 2 and set(recorded["costs"]) == {"1", "2", "4"}
+    for (_, paths), expected in zip(recorded["steps"], recorded["expected"]):  # each step's expected drafts, node by node
+        assert len(expected) == len(paths) and all(0 <= e[0] and sorted(e) == e for e in expected)
     again = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--method", "ddtree", "--explore-every", "2",
                        "4", "--threads", "1", "--orders", "3", "--paths", str(tmp_path / "paths.json"), "eval.datasets=[heldout_code]")
     assert again.returncode == 0 and again.stdout.splitlines()[-12:] == done.stdout.splitlines()[-12:]  # replayed from the file

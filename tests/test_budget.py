@@ -7,8 +7,8 @@ import torch
 
 from hf_tiny import VOCAB
 from weaver.acceptance import greedy_tree
-from weaver.budget import BudgetPlanner, measure_step_costs
-from weaver.builders import ddtree
+from weaver.budget import BudgetPlanner, StepwisePlanner, measure_step_costs
+from weaver.builders import chain_tree, ddtree
 from weaver.engine import speculative_generate
 from weaver.errors import WeaverError
 from weaver.generate import generate
@@ -173,3 +173,68 @@ def test_greedy_with_auto_budget_equals_autoregressive(target, method):
         out, stats = speculative_generate(target, drafter, prompt, 40, method=method, budget=planner)
         assert out == generate(target, [prompt], 40)[0]
         assert set(stats.budgets) <= {1, 3, 7} and len(stats.budgets) == len(stats.accepted)
+
+
+def confident_chain(probs: list[float]):
+    """A chain proposal whose argmax at depth d (token 0) has probability probs[d], the rest spread over 9 others."""
+    p = torch.tensor(probs)[:, None]
+    return chain_tree(5, torch.cat([p, ((1 - p) / 9).expand(-1, 9)], -1).log(), len(probs))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_stepwise_budget_maximises_the_trees_expected_tokens_per_second(seed):
+    """The cut is the candidate with the most (1 + sum of the first b nodes' path probabilities) / cost(b),
+    by brute force over random trees and costs; the verified tree is the first b nodes."""
+    gen = torch.Generator().manual_seed(seed)
+    proposal = ddtree(0, 3 * torch.randn(6, 5, generator=gen), 40)
+    costs = dict(zip([1, 2, 4, 8, 16, 32], (1 + torch.rand(6, generator=gen).cumsum(0)).tolist()))
+    cut = StepwisePlanner(costs).cut(proposal)
+    edges, tree = proposal.edge_probs(), proposal.tree
+    reach = [float(edges[tree.path_to(i)].prod()) for i in range(1, len(tree))]
+    best = max(costs, key=lambda b: (1 + sum(reach[:b])) / costs[b])
+    assert len(cut.tree) == best + 1 and torch.equal(cut.tree.tokens, tree.tokens[: best + 1])
+
+
+def test_a_confident_step_verifies_a_long_chain_and_an_unsure_one_a_short_one():
+    planner = StepwisePlanner({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5})
+    assert planner.next_budget() == 8  # every step builds the largest candidate's tree
+    assert len(planner.cut(confident_chain([0.99] * 4 + [0.3] * 4)).tree) == 5
+    assert len(planner.cut(confident_chain([0.99] * 8)).tree) == 9
+    assert len(planner.cut(confident_chain([0.15] * 8)).tree) == 2
+    # the path's product, not each edge alone: edges of 0.5 reach 0.5, 0.25, 0.125, ... (1.94 expected tokens
+    # at 4 for 1.2, 2.0 at 8 for 1.5); counted edge by edge, budget 8 would look best (5 / 1.5)
+    assert len(planner.cut(confident_chain([0.5] * 8)).tree) == 5
+    # the start-up probe's planner: one candidate, the tree built at a larger budget and cut to it
+    probe = StepwisePlanner({2: 1.0}, build=8)
+    assert probe.next_budget() == 8 and len(probe.cut(confident_chain([0.99] * 8)).tree) == 3
+    # a tree smaller than the smallest candidate is verified whole
+    assert StepwisePlanner({4: 1.0, 8: 1.5}).cut(confident_chain([0.9] * 2)).tree.tokens.numel() == 3
+
+
+@pytest.mark.parametrize("method", ["chain", "ddtree"])
+def test_greedy_with_stepwise_budgets_equals_autoregressive(target, method):
+    torch.manual_seed(2)
+    drafter = Drafter(drafter_config(new_drafter_config(target, 1, 8, 2, 2))).eval()
+    planner = StepwisePlanner({1: 1.0, 3: 1.05, 7: 1.1})
+    for n in (3, 9):
+        prompt = torch.randint(3, VOCAB, (n,)).tolist()
+        out, stats = speculative_generate(target, drafter, prompt, 40, method=method, budget=planner)
+        assert out == generate(target, [prompt], 40)[0]
+        assert set(stats.budgets) <= {1, 3, 7} and len(stats.budgets) == len(stats.accepted)
+
+
+@pytest.mark.parametrize("method,temperature,stepwise,planner", [
+    ("ddtree", 0.0, True, StepwisePlanner), ("chain", 0.0, True, StepwisePlanner),
+    ("weaver", 0.0, True, BudgetPlanner),  # its search calls the adapter per wave: a large tree is not cheap
+    ("ddtree", 1.0, True, BudgetPlanner),  # rejection sampling reaches nodes by other odds than draft products
+    ("ddtree", 0.0, False, BudgetPlanner),
+])
+def test_auto_chooses_stepwise_budgets_for_greedy_marginal_trees(monkeypatch, method, temperature, stepwise, planner):
+    from omegaconf import OmegaConf
+
+    from weaver.eval import run
+
+    monkeypatch.setattr(run, "step_costs", lambda models, cfg, method, stepwise: {1: 1.0, 4: 2.0})
+    auto = {"stepwise": stepwise, "explore_every": 8, "decay": 0.98, "explore_reach": 1.75}
+    cfg = OmegaConf.create({"eval": {"temperature": temperature, "auto_budget": auto}})
+    assert type(run.auto_planner({}, cfg, method)) is planner

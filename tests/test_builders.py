@@ -52,6 +52,50 @@ def test_edge_probabilities_are_each_nodes_marginal_at_its_depth(seed):
     torch.testing.assert_close(proposal.edge_probs(), torch.tensor(want))
 
 
+def node_probs_by_loop(proposal) -> list[float]:
+    """The readable definition: each node's probability in its parent's child distribution (`child_probs`)."""
+    probs, tree = proposal.child_probs, proposal.tree
+    return [1.0] + [float(probs[p][int(tree.tokens[i])]) for i, p in enumerate(tree.parents.tolist()) if i > 0]
+
+
+@pytest.mark.parametrize("kind", ["greedy weaver", "sampled weaver", "sampled ddtree", "chain"])
+def test_edge_and_path_probabilities_follow_each_nodes_parent(target, kind):
+    """The gathered edge probabilities equal a per-node lookup in the parent's child distribution, over
+    full-vocabulary rows (DDTree, the chain) and pool supports (Weaver); a path's is their product."""
+    from test_adapter import as_step, make_adapter, step_inputs
+    from weaver.builders import SearchConfig, weaver_tree
+
+    torch.manual_seed(4)
+    drafter = Drafter(drafter_config(new_drafter_config(target, 1, 8, 2, 2))).eval()
+    adapter = make_adapter(target)
+    step = as_step(target, adapter, *step_inputs(target, drafter, [5, 9, 3, 7]))
+    gen = torch.Generator().manual_seed(0)
+    proposal = {
+        "greedy weaver": lambda: weaver_tree(step, SearchConfig(20, 4)),
+        "sampled weaver": lambda: weaver_tree(step, SearchConfig(20, 4, generator=gen)),
+        "sampled ddtree": lambda: ddtree(step.anchor, step.draft.logits[0], 20, gen),
+        "chain": lambda: chain_tree(step.anchor, step.draft.logits[0], 6),
+    }[kind]()
+    edges = proposal.edge_probs()
+    torch.testing.assert_close(edges, torch.tensor(node_probs_by_loop(proposal)))
+    tree = proposal.tree
+    want = [float(edges[tree.path_to(i)].prod()) for i in range(len(tree))]
+    torch.testing.assert_close(proposal.path_probs(), torch.tensor(want), rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_first_nodes_of_a_tree_are_the_smaller_budgets_tree(seed):
+    """`Proposal.first(b)` is the tree of budget b (nodes are best first), with only the kept nodes' expansions."""
+    logits = 2 * torch.randn(5, 7, generator=torch.Generator().manual_seed(seed))
+    big = ddtree(1, logits, 30)
+    for b in (1, 3, 8, 29, 30):
+        small, cut = ddtree(1, logits, b), big.first(b)
+        assert torch.equal(cut.tree.tokens, small.tree.tokens) and torch.equal(cut.tree.parents, small.tree.parents)
+        assert torch.equal(cut.tree.ancestors, Tree(cut.tree.tokens, cut.tree.parents).ancestors)
+        assert all(int(nodes.max()) <= b for nodes, _, _ in cut.expansions)
+        torch.testing.assert_close(cut.edge_probs(), big.edge_probs()[: b + 1])
+
+
 def test_chain_tree_takes_the_argmax_per_depth():
     logits = torch.randn(6, 11)
     tree = chain_tree(3, logits, budget=4).tree

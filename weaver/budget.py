@@ -30,44 +30,70 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from weaver.errors import WeaverError
 from weaver.models.config import is_count
+
+if TYPE_CHECKING:
+    from weaver.search import Proposal
 
 
 MAX_GAP_FACTOR = 16  # exploration intervals double up to this many times explore_every
 
 
-class BudgetPlanner:
-    def __init__(self, costs: dict[int, float], explore_every: int = 8, decay: float = 0.98, explore_reach: float = 1.75):
+class StepCosts:
+    """What every `budget: auto` planner keeps: the candidate budgets and the seconds a step takes at each,
+    measured at start-up and moved toward what decoding measures."""
+
+    def __init__(self, costs: dict[int, float], decay: float = 0.98):
         if not costs or not all(is_count(b) for b in costs):
             raise WeaverError(f"budget: auto needs candidate budgets that are whole numbers >= 1, got {list(costs)}")
         bad = {b: c for b, c in costs.items() if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < math.inf}
         if bad:
             raise WeaverError(f"budget: auto needs finite step costs in seconds, got {bad}")
-        if not is_count(explore_every, 2):
-            raise WeaverError(f"explore_every must be at least 2, got {explore_every}")
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
             raise WeaverError(f"decay is the weight a running mean keeps per step, in [0, 1), got {decay!r}")
-        if isinstance(explore_reach, bool) or not isinstance(explore_reach, (int, float)) or not 1 <= explore_reach < math.inf:
-            raise WeaverError(f"explore_reach is a step-cost ratio >= 1, got {explore_reach!r}")
         self.costs = dict(sorted(costs.items()))
         self.candidates = list(self.costs)
-        self.explore_every, self.decay, self.explore_reach = explore_every, decay, explore_reach
+        self.decay = decay
+        self.step_times = dict.fromkeys(self.candidates, 0)  # measured steps behind each cost
+
+    @property
+    def largest(self) -> int:
+        """The largest tree a step takes."""
+        return self.candidates[-1]
+
+    def cut(self, proposal: Proposal) -> Proposal:
+        """The part of the step's tree to verify (all of it: a budget is chosen before the tree is built)."""
+        return proposal
+
+    def observe_cost(self, budget: int, seconds: float | None) -> None:
+        """The start-up cost of `budget` moves toward what decoding measures (a probe on a fixed prompt can
+        misjudge a budget whose trees grow differently on real text)."""
+        if seconds is not None and budget in self.costs:
+            self.step_times[budget] += 1
+            weight = max(1 / (self.step_times[budget] + 1), 1 - self.decay)
+            self.costs[budget] = (1 - weight) * self.costs[budget] + weight * seconds
+
+
+class BudgetPlanner(StepCosts):
+    def __init__(self, costs: dict[int, float], explore_every: int = 8, decay: float = 0.98, explore_reach: float = 1.75):
+        super().__init__(costs, decay)
+        if not is_count(explore_every, 2):
+            raise WeaverError(f"explore_every must be at least 2, got {explore_every}")
+        if isinstance(explore_reach, bool) or not isinstance(explore_reach, (int, float)) or not 1 <= explore_reach < math.inf:
+            raise WeaverError(f"explore_reach is a step-cost ratio >= 1, got {explore_reach!r}")
+        self.explore_every, self.explore_reach = explore_every, explore_reach
         # running means: accepted drafts at the smallest candidate, and the gain from each candidate to the
         # next (read from the same steps, so estimates stay consistent when larger budgets are seen rarely)
         self.base: float | None = None
         self.gains: list[float | None] = [None] * (len(self.candidates) - 1)
         self.counts = [0] * len(self.candidates)  # observations behind base, gains[0], gains[1], ...
         self.updated = [0] * len(self.candidates)  # the step each of them was last updated at
-        self.step_times = dict.fromkeys(self.candidates, 0)  # measured steps behind each cost
         self.steps = 0
         self.choice: int | None = None  # the budget chosen last (exploration steps aside)
         self.gap = self.next_explore = explore_every  # steps between explorations; the next one's step
-
-    @property
-    def largest(self) -> int:
-        return self.candidates[-1]
 
     @property
     def accepted(self) -> dict[int, float]:
@@ -117,12 +143,8 @@ class BudgetPlanner:
 
     def observe(self, budget: int, path: Sequence[int], seconds: float | None = None) -> None:
         """A verified step at `budget` whose accepted path holds tree nodes `path` (anchor excluded), and
-        what the step cost: the start-up cost of that budget moves toward what decoding measures (a probe
-        on a fixed prompt can misjudge a budget whose trees grow differently on real text)."""
-        if seconds is not None and budget in self.costs:
-            self.step_times[budget] += 1
-            weight = max(1 / (self.step_times[budget] + 1), 1 - self.decay)
-            self.costs[budget] = (1 - weight) * self.costs[budget] + weight * seconds
+        what the step cost."""
+        self.observe_cost(budget, seconds)
         seen = [sum(1 for node in path if node <= b) for b in self.candidates if b <= budget]
         if not seen:
             return
@@ -140,6 +162,47 @@ class BudgetPlanner:
         elapsed, self.updated[slot] = max(1, self.steps - self.updated[slot]), self.steps
         weight = max(1 / self.counts[slot], 1 - self.decay ** elapsed)
         return value if mean is None else (1 - weight) * mean + weight * value
+
+
+class StepwisePlanner(StepCosts):
+    """`budget: auto` chosen at every step from the step's own tree, for greedy trees of calibrated drafter
+    marginals that cost little more to build large than small (the chain, DDTree). Each step builds the largest
+    candidate's tree and verifies its first b nodes, b the candidate maximising (1 + the sum of those nodes'
+    path probabilities) / cost(b): the product of a node's edge probabilities is the chance that greedy
+    acceptance walks through it when the drafter is calibrated (KL-distilled marginals are: README,
+    calibration), so the sum is the step's expected accepted drafts at b. A confident step verifies a long
+    chain, an unsure one a few nodes. Nothing is estimated across steps but the costs, so there is no
+    exploration and no warm-up (replayed: tiny-target DDTree 1.22x the best fixed budget, SmolLM2 1.02x;
+    README). `build`: the budget of the tree each step builds (default the largest candidate; the start-up probe
+    times one candidate at a time as these steps take it, built at the largest)."""
+
+    def __init__(self, costs: dict[int, float], decay: float = 0.98, build: int | None = None):
+        super().__init__(costs, decay)
+        if build is not None and not is_count(build):
+            raise WeaverError(f"a stepwise planner builds trees of a whole number of draft nodes >= 1, got {build!r}")
+        self.build = max(self.candidates[-1], build or 0)
+
+    @property
+    def largest(self) -> int:
+        """The largest tree a step takes: the one every step builds."""
+        return self.build
+
+    def next_budget(self) -> int:
+        return self.build
+
+    def cut(self, proposal: Proposal) -> Proposal:
+        if len(proposal.tree) - 1 <= self.candidates[0]:  # a tree that stopped short (a shallow block): nothing to choose
+            return proposal
+        return proposal.first(self.choose(proposal.path_probs()[1:].cumsum(0).tolist()))
+
+    def choose(self, expected: Sequence[float]) -> int:
+        """The budget to verify, given expected[i]: the expected accepted drafts within the tree's first i + 1
+        nodes (candidates past the tree's size are out)."""
+        fits = [b for b in self.candidates if b <= len(expected)] or [len(expected)]
+        return max(fits, key=lambda b: (1 + expected[b - 1]) / self.costs.get(b, math.inf))
+
+    def observe(self, budget: int, path: Sequence[int], seconds: float | None = None) -> None:
+        self.observe_cost(budget, seconds)
 
 
 def measure_step_costs(

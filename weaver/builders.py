@@ -275,13 +275,17 @@ def check_budget(budget: int, limit: int | None = None, method: str = "tree", wh
 @dataclass(frozen=True)
 class TreeMethod:
     """One tree method: its builder, the most draft nodes its tree can hold (max_depth, vocab_size, children,
-    adapter pool) -> (limit, why), the models it needs besides the target and the drafter, and whether the
-    eval measures it at the drafter's whole block instead of at each budget (the chain)."""
+    adapter pool) -> (limit, why), the models it needs besides the target and the drafter, whether the
+    eval measures it at the drafter's whole block instead of at each budget (the chain), and whether greedy
+    `budget: auto` may choose each step's budget from the step's own tree (`weaver.budget.StepwisePlanner`:
+    its path probabilities are the drafter's calibrated marginals, and its largest tree costs little more to
+    build than a small one; not so for a search that calls a model per wave)."""
 
     build: Callable[[StepInputs, SearchConfig], Proposal]
     limit: Callable[[int, int, int, int | None], tuple[int, str]]
     needs: tuple[str, ...] = ()
     whole_block: bool = False
+    stepwise: bool = False
 
 
 # To add a method: a builder (StepInputs, SearchConfig) -> Proposal and one entry here; the engine, the
@@ -289,10 +293,10 @@ class TreeMethod:
 TREE_METHODS: dict[str, TreeMethod] = {
     "chain": TreeMethod(lambda step, search: chain_tree(step.anchor, step.draft.logits[0], search.budget,
                                                         search.generator, search.temperature),
-                        chain_limit, whole_block=True),
+                        chain_limit, whole_block=True, stepwise=True),
     "ddtree": TreeMethod(lambda step, search: ddtree(step.anchor, step.draft.logits[0], search.budget, search.generator,
                                                      search.temperature, search.priority),
-                         vocabulary_limit),
+                         vocabulary_limit, stepwise=True),
     "weaver": TreeMethod(weaver_tree, search_children_limit, needs=("adapter",)),
     "oracle": TreeMethod(oracle_tree, vocabulary_limit),
 }

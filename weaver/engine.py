@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weaver.acceptance import SAMPLING_RULES, check_finite, greedy_tree
-from weaver.budget import BudgetPlanner
+from weaver.budget import StepCosts
 from weaver.calibration import AcceptanceTable
 from weaver.builders import (
     SearchConfig, StepInputs, check_budget, check_children, default_children, propose, tree_method,
@@ -68,7 +68,7 @@ class PhaseClock:
 
 def check_request(
     target: TargetModel, drafter: Drafter, prompt: list[int], max_new_tokens: int, temperature: float, method: str,
-    budget: "int | BudgetPlanner | None", adapter: WeaverAdapter | None, sampling: str, children: int,
+    budget: "int | StepCosts | None", adapter: WeaverAdapter | None, sampling: str, children: int,
     nodes_per_call: int | None, rescore: int | None = None, draft_temperature: float | None = None,
 ) -> int:
     """Refuse a bad speculative request before any model runs, with one clear message; returns the largest
@@ -98,8 +98,8 @@ def check_request(
         pool = adapter.cfg.pool_size
         check_children(children, pool)
     limit, why = kind.limit(depth, target.cfg.vocab_size, children, pool)
-    if isinstance(budget, BudgetPlanner):
-        for candidate in budget.candidates:
+    if isinstance(budget, StepCosts):
+        for candidate in [*budget.candidates, budget.largest]:
             check_budget(candidate, limit, method, why)
         return budget.largest
     budget = depth if budget is None else budget
@@ -117,7 +117,7 @@ def speculative_generate(
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
     method: str = "chain",
-    budget: int | BudgetPlanner | None = None,
+    budget: int | StepCosts | None = None,
     adapter: WeaverAdapter | None = None,
     sampling: str = "rrs",
     children: int | None = None,
@@ -131,7 +131,8 @@ def speculative_generate(
     """New tokens for one prompt with draft trees, plus acceptance statistics.
 
     method: chain (DFlash), ddtree, weaver (needs `adapter`) or oracle (`weaver.builders`); budget: draft
-    nodes per step (default: block_size - 1), or a `BudgetPlanner` choosing each step's (`weaver.budget`).
+    nodes per step (default: block_size - 1), or a planner choosing each step's (`weaver.budget`: `BudgetPlanner`
+    before the step from running means, `StepwisePlanner` from the step's own tree).
     Greedy (temperature 0) follows the target's argmax through a k-best tree. Sampling: `rrs` draws each
     node's children without replacement from its draft distribution and verifies by recursive rejection
     sampling; `target_only` verifies the greedy tree by sampling from the target alone. Both are lossless.
@@ -155,7 +156,7 @@ def speculative_generate(
         children = default_children(adapter.cfg.pool_size if adapter is not None else None)
     max_budget = check_request(target, drafter, prompt, max_new_tokens, temperature, method, budget, adapter, sampling,
                                children, nodes_per_call, rescore, draft_temperature)
-    planner = budget if isinstance(budget, BudgetPlanner) else None
+    planner = budget if isinstance(budget, StepCosts) else None
     budget = max_budget
     device = target.embed.weight.device
     taps, block = drafter.cfg.target_layer_ids, drafter.cfg.block_size
@@ -185,6 +186,8 @@ def speculative_generate(
         proposal = propose(method, StepInputs(int(anchor), draft, hidden, target, cache, adapter), SearchConfig(
             step_budget, children, nodes_per_call, generator if drawn else None, tree_temperature, compiled,
             anytime=planner is not None, priority=priority if drawn else None, rescore=rescore))
+        if planner and (cut := planner.cut(proposal)) is not proposal:  # verify the first nodes only
+            proposal, step_budget = cut, len(cut.tree) - 1
         tree = proposal.tree
         if scored_by_adapter:
             check_finite(torch.cat([lp.flatten() for _, lp, _ in proposal.expansions]), "the Weaver adapter's scores",

@@ -102,9 +102,37 @@ class Proposal:
         """(T,) each node's probability under the distribution its parent's children were taken from (1 for the
         anchor): the draft's confidence in each edge, which greedy acceptance matches when it is calibrated
         (`benchmarks/tree_calibration.py`)."""
-        probs, tokens = self.child_probs, self.tree.tokens.tolist()
-        return torch.tensor([1.0] + [float(probs[parent][tokens[node]])
-                                     for node, parent in enumerate(self.tree.parents.tolist()) if node > 0])
+        tree, edges = self.tree, torch.zeros(len(self.tree), device=self.tree.tokens.device)
+        for nodes, logprobs, support in self.expansions:  # one gather per expansion call, no per-node work
+            row = torch.full_like(tree.parents, -1)
+            row[nodes] = torch.arange(len(nodes), device=nodes.device)
+            mine = row[tree.parents.clamp(min=0)]
+            rows = mine.clamp(min=0)  # each node's row: its parent's child distribution
+            if support is None:
+                logp = logprobs[rows, tree.tokens]
+            else:
+                logp = logprobs[rows].masked_fill(support[rows] != tree.tokens[:, None], 0.0).sum(1)
+            edges = torch.where((tree.parents >= 0) & (mine >= 0), logp.float(), edges)
+        return edges.exp()
+
+    def path_probs(self) -> torch.Tensor:
+        """(T,) the product of the edge probabilities from the anchor to each node: with calibrated draft
+        probabilities, the chance that greedy acceptance walks through the node (README: per-step budgets)."""
+        edges = self.edge_probs().clamp(min=1e-30).log()
+        return (self.tree.ancestors.to(edges.dtype) @ edges).exp()
+
+    def first(self, n: int) -> "Proposal":
+        """The proposal cut to its first n draft nodes: nodes are best first, so this is the tree of budget n
+        (a parent precedes its children); expansions of the nodes cut off are dropped."""
+        tree = self.tree
+        if n + 1 >= len(tree):
+            return self
+        # contiguous copies: a compiled verify guards on strides, and a view of the larger matrix would recompile
+        cut = Tree.with_ancestors(tree.tokens[: n + 1].clone(), tree.parents[: n + 1].clone(),
+                                  tree.ancestors[: n + 1, : n + 1].contiguous())
+        kept = [(nodes[nodes <= n], logprobs[nodes <= n], None if support is None else support[nodes <= n])
+                for nodes, logprobs, support in self.expansions]
+        return Proposal(cut, [e for e in kept if len(e[0])], self.vocab_size)
 
 
 def ranked_children(logprobs: torch.Tensor, width: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:

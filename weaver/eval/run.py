@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from weaver.artifacts import load_adapter_for, load_drafter_for, load_target_and_tokenizer
 from weaver.builders import TREE_METHODS
-from weaver.budget import BudgetPlanner, check_budgets, check_candidates, measure_step_costs
+from weaver.budget import BudgetPlanner, StepCosts, StepwisePlanner, check_budgets, check_candidates, measure_step_costs
 from weaver.calibration import RRS_PRIORITIES
 from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
 from weaver.engine import PHASES, SpecStats, speculative_generate
@@ -141,8 +141,7 @@ def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, e
     drafter = models["drafter"]
     label = f"{method}@{budget}"
     if budget == "auto":
-        auto = e.auto_budget
-        budget = BudgetPlanner(step_costs(models, cfg, method), auto.explore_every, auto.decay, auto.explore_reach)
+        budget = auto_planner(models, cfg, method)
     decode = speculative_decoder(models, cfg, method, eos, generator)
     outputs, stats, seconds = decode_all(prompts, lambda p: decode(p, budget), label)
     total = SpecStats.merge(stats)
@@ -179,12 +178,22 @@ def auto_candidates(cfg: DictConfig, models: Models, method: str) -> list[int]:
     return [b for b in cfg.eval.auto_budget.candidates if not whole_block or b < models["drafter"].cfg.block_size]
 
 
-def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]:
+def auto_planner(models: Models, cfg: DictConfig, method: str) -> StepCosts:
+    """`budget: auto`'s planner for `method`: greedy chains and DDTrees choose each step's budget from the
+    step's own tree (eval.auto_budget.stepwise), everything else from running means of what steps accepted."""
+    auto = cfg.eval.auto_budget
+    stepwise = bool(auto.stepwise and cfg.eval.temperature == 0 and TREE_METHODS[method].stepwise)
+    costs = step_costs(models, cfg, method, stepwise)
+    return StepwisePlanner(costs, auto.decay) if stepwise else BudgetPlanner(costs, auto.explore_every, auto.decay,
+                                                                             auto.explore_reach)
+
+
+def step_costs(models: Models, cfg: DictConfig, method: str, stepwise: bool = False) -> dict[int, float]:
     """Seconds per speculative step at each candidate budget of eval.auto_budget for `method`, measured once
     per process on a fixed pseudo-random prompt of eval.prompt_tokens tokens (a chain's candidates stop at
-    the block)."""
+    the block); `stepwise`: as `StepwisePlanner` steps take them, the tree built at the largest candidate."""
     costs = models.setdefault("step_costs", {})
-    key = (method, *sorted(OmegaConf.to_container(cfg.weaver.search).items()))  # a run may set its own search
+    key = (method, stepwise, *sorted(OmegaConf.to_container(cfg.weaver.search).items()))  # a run may set its own search
     if key not in costs:
         auto = cfg.eval.auto_budget
         candidates = auto_candidates(cfg, models, method)
@@ -193,11 +202,11 @@ def step_costs(models: Models, cfg: DictConfig, method: str) -> dict[int, float]
         decode = speculative_decoder(models, cfg, method, None, torch.Generator().manual_seed(0), max_new_tokens=auto.probe_tokens)
 
         def step_seconds(budget: int) -> list[float]:
-            stats = decode(prompt, budget)[1]
+            stats = decode(prompt, StepwisePlanner({budget: 1.0}, build=candidates[-1]) if stepwise else budget)[1]
             return [sum(stats.seconds.values()) / len(stats.accepted)]
 
         costs[key] = measure_step_costs(step_seconds, candidates, auto.repeats)
-        print(f"budget auto, {method}: ms per step " + ", ".join(f"{b}: {1e3 * c:.1f}" for b, c in costs[key].items()))
+        print(f"budget auto, {method}{' (stepwise)' if stepwise else ''}: ms per step " + ", ".join(f"{b}: {1e3 * c:.1f}" for b, c in costs[key].items()))
     return costs[key]
 
 
