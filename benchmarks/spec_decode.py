@@ -8,7 +8,8 @@ over --repeats rounds so that drifts in machine load hit all of them alike; medi
 
 --best sweeps every budget of eval.budgets (and the chain's block, plus `auto` where eval.budgets has it)
 for each of --methods and marks each method's best. A run may set weaver.search for itself
-(weaver:8:rescore=4,nodes_per_call=2), so that search settings are compared in one process. Arguments other than the options are eval.py
+(weaver:8:rescore=4,nodes_per_call=2), or eval.auto_budget for itself (ddtree:auto:stepwise=1), so that
+settings are compared in one process. Arguments other than the options are eval.py
 overrides (prompt sets, n_prompts, max_new_tokens, ...). A round decodes every prompt of every dataset
 once per run. The table gives τ, median tokens/s, the medians of the per-round ratios to AR and to the
 chain (the chain's best run), efficiency (speedup over AR / τ: the share of τ that reaches wall-clock), and
@@ -48,8 +49,11 @@ def parse_run(text: str) -> tuple[str, int | str, dict[str, int]]:
 
 
 def with_search(cfg: DictConfig, search: dict[str, int]) -> DictConfig:
-    """cfg with a run's own weaver.search settings (unknown names are refused by the config's schema)."""
-    return OmegaConf.merge(cfg, {"weaver": {"search": search}}) if search else cfg
+    """cfg with a run's own settings: eval.auto_budget's by their names (stepwise=1 compares `auto`'s planners
+    in one process), the rest weaver.search's (unknown names are refused by the config's schema)."""
+    auto = {k: v for k, v in search.items() if k in cfg.eval.auto_budget}
+    search = {k: v for k, v in search.items() if k not in auto}
+    return OmegaConf.merge(cfg, {"weaver": {"search": search}, "eval": {"auto_budget": auto}}) if search or auto else cfg
 
 
 def median_ratios(speed: dict[str, list[float]], label: str, base: str) -> float:

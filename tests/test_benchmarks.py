@@ -23,12 +23,15 @@ def test_gdn_tree_verify_benchmark_runs():
 
 
 def test_speculative_decoding_benchmark_runs(smoke_outputs):
-    done = run_script("benchmarks/spec_decode.py", smoke_outputs, "+experiment=smoke", "--runs", "chain:3", "weaver:4",
-                      "weaver:4:rescore=2", "--repeats", "2", "eval.datasets=[heldout_code]", "eval.n_prompts=1", "eval.max_new_tokens=8",
-                      "eval.compile=false")
+    done = run_script("benchmarks/spec_decode.py", smoke_outputs, "+experiment=smoke", "--runs", "chain:3", "chain:auto",
+                      "chain:auto:stepwise=1", "weaver:4", "weaver:4:rescore=2", "--repeats", "2", "eval.datasets=[heldout_code]",
+                      "eval.n_prompts=1", "eval.max_new_tokens=8", "eval.compile=false")
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows == ["run", "ar", "chain:3", "weaver:4", "weaver:4:rescore=2"]
+    assert [row.split(" (")[0] for row in rows] == ["run", "ar", "chain:3", "chain:auto", "chain:auto:stepwise=1", "weaver:4",
+                                                    "weaver:4:rescore=2"]
+    # a run's eval.auto_budget setting reaches its planner: each probed its own costs
+    assert "budget auto, chain (stepwise): ms per step" in done.stdout and "budget auto, chain: ms per step" in done.stdout
 
 
 def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs, tmp_path):

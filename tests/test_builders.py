@@ -145,26 +145,6 @@ def test_one_pass_ddtree_equals_the_search(seed):
         assert path_scores[0] == path_scores[1]
 
 
-@pytest.mark.parametrize("sharpness", [0.3, 1.0, 3.0, 10.0])
-def test_ddtree_skips_only_depths_that_hold_none_of_its_nodes(sharpness):
-    """`reachable_depth` prunes the beam's depths, never the tree: the pruned DDTree equals the beam over every
-    depth, and unsure marginals (flat logits) need only the first few of 15 depths."""
-    from weaver.builders import reachable_depth
-    from weaver.static_trees import best_paths_nodes
-
-    gen = torch.Generator().manual_seed(int(sharpness * 10))
-    anchor = torch.tensor([3])
-    for budget in (1, 4, 16, 64):
-        logits = sharpness * torch.randn(15, 50, generator=gen)
-        logits[:, 0] += sharpness * torch.rand(15, generator=gen) * 4  # some depths confident, some not
-        top = logits.log_softmax(-1).topk(min(budget, 50), dim=-1)
-        every_depth = best_paths_nodes(anchor, *top, budget)
-        pruned = ddtree(3, logits, budget).tree
-        assert pruned.tokens.tolist() == every_depth[0].tolist() and pruned.parents.tolist() == every_depth[1].tolist()
-    flat = torch.zeros(15, 200).log_softmax(-1)
-    assert reachable_depth(flat, 64) == 1  # 200 nodes at depth 1, each above every path of two
-
-
 def test_sampled_chain_draws_each_depth_from_its_marginal():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 3.0, 1.0, -2.0]])
     gen, n = torch.Generator().manual_seed(0), 6000

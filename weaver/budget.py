@@ -172,9 +172,11 @@ class StepwisePlanner(StepCosts):
     acceptance walks through it when the drafter is calibrated (KL-distilled marginals are: README,
     calibration), so the sum is the step's expected accepted drafts at b. A confident step verifies a long
     chain, an unsure one a few nodes. Nothing is estimated across steps but the costs, so there is no
-    exploration and no warm-up (replayed: tiny-target DDTree 1.22x the best fixed budget, SmolLM2 1.02x;
-    README). `build`: the budget of the tree each step builds (default the largest candidate; the start-up probe
-    times one candidate at a time as these steps take it, built at the largest)."""
+    exploration and no warm-up. Opt-in (`eval.auto_budget.stepwise`): replayed over recorded steps at the
+    probe's fixed-budget costs it led the best fixed budget (tiny DDTree 1.22x, SmolLM2 1.02x), but building
+    the largest tree every step costs what it saves, and decoding on our CPUs measured it at or below the
+    running-means planner (README: per-step budgets). `build`: the budget of the tree each step builds (default
+    the largest candidate; the start-up probe times one candidate at a time as these steps take it)."""
 
     def __init__(self, costs: dict[int, float], decay: float = 0.98, build: int | None = None):
         super().__init__(costs, decay)

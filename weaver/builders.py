@@ -111,9 +111,8 @@ def chain_tree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: 
     else:
         drafts = log_marginals.argmax(-1)
     nodes = torch.arange(n, device=draft_logits.device)  # node i (depth i) is expanded by row i
-    path_logprobs = torch.cat([log_marginals.new_zeros(1), log_marginals.gather(1, drafts[:, None]).squeeze(1).cumsum(0)])
     return Proposal(Tree.chain(torch.cat([drafts.new_full((1,), anchor), drafts])), [(nodes, log_marginals, None)],
-                    draft_logits.shape[-1], path_logprobs)
+                    draft_logits.shape[-1])
 
 
 def ddtree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
@@ -134,30 +133,10 @@ def best_paths(anchor: int, draft_logits: torch.Tensor, budget: int, temperature
     depth = min(len(draft_logits), budget)
     log_marginals = (draft_logits[:depth].float() / temperature).log_softmax(-1)
     anchor_t = torch.full((1,), anchor, dtype=torch.long, device=draft_logits.device)
-    reached = reachable_depth(log_marginals, budget)
-    top = log_marginals[:reached].topk(min(budget, log_marginals.shape[-1]), dim=-1)
-    tokens, parents, depths, path_logprobs = best_paths_nodes(anchor_t, *top, budget)
-    # each depth's nodes with that depth's row as a view: gathering a row per node would copy (T, V) floats
-    expansions = [(nodes, log_marginals[d].expand(len(nodes), -1), None)
-                  for d in range(min(reached + 1, depth)) if len(nodes := (depths == d).nonzero().squeeze(-1))]
-    return Proposal(Tree(tokens, parents), expansions, draft_logits.shape[-1], path_logprobs)
-
-
-def reachable_depth(log_marginals: torch.Tensor, budget: int) -> int:
-    """How many depths of a greedy DDTree over log_marginals (D, V) can hold one of its `budget` best nodes: the
-    tree without the others is the same, and their top-k (the dearest op of a large tree, a pass over the
-    vocabulary per depth) and beam steps are skipped; a step with unsure marginals builds a budget-64 tree from
-    a few depths instead of 15.
-
-    A node at depth d scores at most the argmax chain's score there, chain[d]. Depth 1's best tokens and the
-    chain's nodes are nodes too, so the budget-th best of them is at most the tree's threshold, and a depth whose
-    chain scores below it holds no node of the tree (kept within a margin of 1e-3: the sums round differently
-    here and in the beam, and a depth too many only costs time). One host read."""
-    chain = log_marginals.amax(-1).cumsum(0)
-    some_nodes = torch.cat([log_marginals[0].topk(min(budget, log_marginals.shape[-1])).values, chain[1:]])
-    if len(some_nodes) < budget:
-        return len(log_marginals)
-    return int((chain >= some_nodes.topk(budget).values[-1] - 1e-3).sum())
+    tokens, parents, depths = best_paths_nodes(anchor_t, *log_marginals.topk(min(budget, log_marginals.shape[-1]), dim=-1),
+                                               budget)
+    expanded = (depths < depth).nonzero().squeeze(-1)
+    return Proposal(Tree(tokens, parents), [(expanded, log_marginals[depths[expanded]], None)], draft_logits.shape[-1])
 
 
 def oracle_tree(step: StepInputs, search: SearchConfig) -> Proposal:

@@ -86,7 +86,6 @@ class Proposal:
     tree: Tree
     expansions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]  # (nodes, log-probs, tokens or None)
     vocab_size: int | None  # needed only for supports given as tokens
-    path_logprobs: torch.Tensor | None = None  # (T,) each node's path log-prob, from a builder that has them
 
     @functools.cached_property
     def child_probs(self) -> dict[int, torch.Tensor]:
@@ -118,10 +117,7 @@ class Proposal:
 
     def path_probs(self) -> torch.Tensor:
         """(T,) the product of the edge probabilities from the anchor to each node: with calibrated draft
-        probabilities, the chance that greedy acceptance walks through the node (README: per-step budgets).
-        Builders that score paths as they go (the chain, greedy DDTree) hand theirs over (tested equal)."""
-        if self.path_logprobs is not None:
-            return self.path_logprobs.float().exp()
+        probabilities, the chance that greedy acceptance walks through the node (README: per-step budgets)."""
         edges = self.edge_probs().clamp(min=1e-30).log()
         return (self.tree.ancestors.to(edges.dtype) @ edges).exp()
 
@@ -136,8 +132,7 @@ class Proposal:
                                   tree.ancestors[: n + 1, : n + 1].contiguous())
         kept = [(nodes[nodes <= n], logprobs[nodes <= n], None if support is None else support[nodes <= n])
                 for nodes, logprobs, support in self.expansions]
-        path_logprobs = None if self.path_logprobs is None else self.path_logprobs[: n + 1]
-        return Proposal(cut, [e for e in kept if len(e[0])], self.vocab_size, path_logprobs)
+        return Proposal(cut, [e for e in kept if len(e[0])], self.vocab_size)
 
 
 def ranked_children(logprobs: torch.Tensor, width: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 
 def best_paths_nodes(anchor: torch.Tensor, top_logp: torch.Tensor, top_tokens: torch.Tensor,
                      budget: int) -> tuple[torch.Tensor, ...]:
-    """(tokens, parents, depths, path log-probs) of the greedy DDTree's nodes, best first, node 0 the anchor (a
-    (1,) tensor, log-prob 0).
+    """(tokens, parents, depths) of the greedy DDTree's nodes, best first, node 0 the anchor (a (1,) tensor).
 
     A path scores at most its prefix (log-probs are <= 0), so the `budget` best nodes are closed under
     prefixes, each is among the `budget` best of its depth, and its token among its depth's top `budget`:
@@ -43,9 +42,8 @@ def best_paths_nodes(anchor: torch.Tensor, top_logp: torch.Tensor, top_tokens: t
         tokens.append(top_tokens[d, index % k])
         depths.append(torch.full_like(index, d + 1))
         beam_ids = beam_ids[-1] + 1 + torch.arange(len(index), device=device)
-    ranked, order = torch.cat(scores).sort(descending=True, stable=True)
-    order = order[: budget + 1]
-    return torch.cat(tokens)[order], kept_parents(torch.cat(parents), order), torch.cat(depths)[order], ranked[: budget + 1]
+    order = torch.cat(scores).sort(descending=True, stable=True).indices[: budget + 1]
+    return torch.cat(tokens)[order], kept_parents(torch.cat(parents), order), torch.cat(depths)[order]
 
 
 def kept_parents(parents: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -85,7 +83,7 @@ def rescore_candidates(adapter: WeaverAdapter, target: TargetModel, table: torch
         top = pool_logits[:, :k].float() - draft_logits.float().logsumexp(-1, keepdim=True), pool_tokens[:, :k]
     else:
         top = draft_logits.float().log_softmax(-1).topk(k, dim=-1)
-    tokens, parents, depths, _ = best_paths_nodes(anchor, *top, rescore * budget)
+    tokens, parents, depths = best_paths_nodes(anchor, *top, rescore * budget)
     n = len(tokens)
     ancestors = ancestor_matrix(parents, depth)
     pool_rows = depths.clamp(max=depth - 1)  # the deepest candidates' (unused) rows read the last pool

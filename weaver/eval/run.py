@@ -179,8 +179,8 @@ def auto_candidates(cfg: DictConfig, models: Models, method: str) -> list[int]:
 
 
 def auto_planner(models: Models, cfg: DictConfig, method: str) -> StepCosts:
-    """`budget: auto`'s planner for `method`: greedy chains and DDTrees choose each step's budget from the
-    step's own tree (eval.auto_budget.stepwise), everything else from running means of what steps accepted."""
+    """`budget: auto`'s planner for `method`: from running means of what steps accepted, or with
+    eval.auto_budget.stepwise, greedy chains and DDTrees from each step's own tree."""
     auto = cfg.eval.auto_budget
     stepwise = bool(auto.stepwise and cfg.eval.temperature == 0 and TREE_METHODS[method].stepwise)
     costs = step_costs(models, cfg, method, stepwise)
