@@ -18,8 +18,9 @@ noise: the spread says how far a setting's lead is luck). Two reference rows say
 told the recording's mean accepted drafts (what its exploration alone costs) and each prompt at its own best fixed
 budget (what following the prompt could gain over the best single budget). The recording also keeps each step's
 path probabilities (`Proposal.path_probs` of the tree's nodes), so the stepwise planner (`StepwisePlanner`: each
-step's budget from its own tree, what greedy chains and DDTrees use) is replayed beside it, priced by the probe's
-costs of its own steps (which build the largest candidate's tree and verify its first b nodes).
+step's budget from its own tree, opt-in for greedy chains and DDTrees: eval.auto_budget.stepwise) is replayed
+beside it, priced by the probe's costs of its own steps (which build the largest candidate's tree and verify its
+first b nodes).
 """
 
 from __future__ import annotations
