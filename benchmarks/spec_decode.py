@@ -48,11 +48,11 @@ def parse_run(text: str) -> tuple[str, int | str, dict[str, int]]:
     return method, int(budget) if budget.isdigit() else budget, {k: int(v) for k, v in search.items()}
 
 
-def with_search(cfg: DictConfig, search: dict[str, int]) -> DictConfig:
+def with_settings(cfg: DictConfig, settings: dict[str, int]) -> DictConfig:
     """cfg with a run's own settings: eval.auto_budget's by their names (stepwise=1 compares `auto`'s planners
     in one process), the rest weaver.search's (unknown names are refused by the config's schema)."""
-    auto = {k: v for k, v in search.items() if k in cfg.eval.auto_budget}
-    search = {k: v for k, v in search.items() if k not in auto}
+    auto = {k: v for k, v in settings.items() if k in cfg.eval.auto_budget}
+    search = {k: v for k, v in settings.items() if k not in auto}
     return OmegaConf.merge(cfg, {"weaver": {"search": search}, "eval": {"auto_budget": auto}}) if search or auto else cfg
 
 
@@ -80,7 +80,7 @@ def main() -> None:
     prompts = [p for ids in eval_prompts(cfg, tokenizer).values() for p in ids]
     for method, budget, search in runs.values():  # a run's own search settings may compile other graphs
         if search:
-            run_speculative(models, prompts[:1], with_search(cfg, search), eos, method, budget)
+            run_speculative(models, prompts[:1], with_settings(cfg, search), eos, method, budget)
 
     speed: dict[str, list[float]] = {label: [] for label in ["ar", *runs]}
     results: dict[str, list[dict]] = {label: [] for label in runs}
@@ -90,7 +90,7 @@ def main() -> None:
         reference = reference or ar["reference"]
         speed["ar"].append(ar["tokens_per_s"])
         for label, (method, budget, search) in runs.items():
-            result = run_speculative(models, prompts, with_search(cfg, search), eos, method, budget)
+            result = run_speculative(models, prompts, with_settings(cfg, search), eos, method, budget)
             if e.temperature == 0 and result["outputs"] != reference:
                 sys.exit(f"{label}: greedy tokens differ from AR decoding")
             speed[label].append(result["tokens_per_s"])

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from spec_decode import parse_run, with_search
+from spec_decode import parse_run, with_settings
 from timing import print_table_header
 from weaver.data.prompts import eval_prompts
 from weaver.eval.run import load_models, speculative_decoder
@@ -68,7 +68,7 @@ def main() -> None:
     results = {}
     for label, (method, budget, search) in runs.items():
         edges: list[tuple[torch.Tensor, torch.Tensor]] = []
-        decode = speculative_decoder(models, with_search(cfg, search), method, tokenizer.eos_token_id, None,
+        decode = speculative_decoder(models, with_settings(cfg, search), method, tokenizer.eos_token_id, None,
                                      on_step=lambda proposal, leaf: edges.append(reached_edges(proposal, leaf)))
         steps = sum(len(decode(prompt, budget)[1].accepted) for prompt in prompts)
         probs, accepted = (torch.cat(x) for x in zip(*edges))

@@ -68,9 +68,10 @@ class StepCosts:
         """The part of the step's tree to verify (all of it: a budget is chosen before the tree is built)."""
         return proposal
 
-    def observe_cost(self, budget: int, seconds: float | None) -> None:
-        """The start-up cost of `budget` moves toward what decoding measures (a probe on a fixed prompt can
-        misjudge a budget whose trees grow differently on real text)."""
+    def observe(self, budget: int, path: Sequence[int], seconds: float | None = None) -> None:
+        """A verified step at `budget` whose accepted path holds tree nodes `path` (anchor excluded), and what the
+        step cost: the start-up cost of `budget` moves toward what decoding measures (a probe on a fixed prompt
+        can misjudge a budget whose trees grow differently on real text)."""
         if seconds is not None and budget in self.costs:
             self.step_times[budget] += 1
             weight = max(1 / (self.step_times[budget] + 1), 1 - self.decay)
@@ -142,9 +143,8 @@ class BudgetPlanner(StepCosts):
         return self.counts[i + 1] if i + 1 < len(self.candidates) else 0
 
     def observe(self, budget: int, path: Sequence[int], seconds: float | None = None) -> None:
-        """A verified step at `budget` whose accepted path holds tree nodes `path` (anchor excluded), and
-        what the step cost."""
-        self.observe_cost(budget, seconds)
+        """The step's cost, then the running means of the accepted drafts at every budget <= `budget`."""
+        super().observe(budget, path, seconds)
         seen = [sum(1 for node in path if node <= b) for b in self.candidates if b <= budget]
         if not seen:
             return
@@ -202,9 +202,6 @@ class StepwisePlanner(StepCosts):
         nodes (candidates past the tree's size are out)."""
         fits = [b for b in self.candidates if b <= len(expected)] or [len(expected)]
         return max(fits, key=lambda b: (1 + expected[b - 1]) / self.costs.get(b, math.inf))
-
-    def observe(self, budget: int, path: Sequence[int], seconds: float | None = None) -> None:
-        self.observe_cost(budget, seconds)
 
 
 def measure_step_costs(
