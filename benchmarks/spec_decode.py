@@ -38,14 +38,14 @@ from weaver.pipeline import ROOT_CONF
 
 
 def parse_run(text: str) -> tuple[str, int | str, dict[str, int]]:
-    """method:budget[:setting=value,...], the settings of weaver.search for this run only."""
+    """method:budget[:setting=value,...], settings of weaver.search or eval.auto_budget for this run only."""
     method, _, rest = text.partition(":")
-    budget, _, settings = rest.partition(":")
-    search = dict(item.partition("=")[::2] for item in settings.split(",") if item)
-    if not (budget.isdigit() or budget == "auto") or not all(v.isdigit() for v in search.values()):
-        raise SystemExit(f"--runs entries are method:budget[:search_setting=N,...] (e.g. weaver:8, weaver:auto or "
+    budget, _, listed = rest.partition(":")
+    settings = dict(item.partition("=")[::2] for item in listed.split(",") if item)
+    if not (budget.isdigit() or budget == "auto") or not all(v.isdigit() for v in settings.values()):
+        raise SystemExit(f"--runs entries are method:budget[:setting=N,...] (e.g. weaver:8, weaver:auto or "
                          f"weaver:4:rescore=4), got '{text}'")
-    return method, int(budget) if budget.isdigit() else budget, {k: int(v) for k, v in search.items()}
+    return method, int(budget) if budget.isdigit() else budget, {k: int(v) for k, v in settings.items()}
 
 
 def with_settings(cfg: DictConfig, settings: dict[str, int]) -> DictConfig:
@@ -78,9 +78,9 @@ def main() -> None:
     eos = tokenizer.eos_token_id
     warm_up(models, cfg, eos or 0, [(method, budget) for method, budget, _ in runs.values()])
     prompts = [p for ids in eval_prompts(cfg, tokenizer).values() for p in ids]
-    for method, budget, search in runs.values():  # a run's own search settings may compile other graphs
-        if search:
-            run_speculative(models, prompts[:1], with_settings(cfg, search), eos, method, budget)
+    for method, budget, settings in runs.values():  # a run's own settings may compile other graphs
+        if settings:
+            run_speculative(models, prompts[:1], with_settings(cfg, settings), eos, method, budget)
 
     speed: dict[str, list[float]] = {label: [] for label in ["ar", *runs]}
     results: dict[str, list[dict]] = {label: [] for label in runs}
@@ -89,8 +89,8 @@ def main() -> None:
         ar = run_ar(models, prompts, cfg, eos, with_reference=reference is None)
         reference = reference or ar["reference"]
         speed["ar"].append(ar["tokens_per_s"])
-        for label, (method, budget, search) in runs.items():
-            result = run_speculative(models, prompts, with_settings(cfg, search), eos, method, budget)
+        for label, (method, budget, settings) in runs.items():
+            result = run_speculative(models, prompts, with_settings(cfg, settings), eos, method, budget)
             if e.temperature == 0 and result["outputs"] != reference:
                 sys.exit(f"{label}: greedy tokens differ from AR decoding")
             speed[label].append(result["tokens_per_s"])

@@ -66,9 +66,9 @@ def main() -> None:
     print(f"{cfg.experiment}: {len(prompts)} prompts x {e.max_new_tokens} new tokens, greedy, "
           f"cpu {torch.backends.cpu.get_cpu_capability()}")
     results = {}
-    for label, (method, budget, search) in runs.items():
+    for label, (method, budget, settings) in runs.items():
         edges: list[tuple[torch.Tensor, torch.Tensor]] = []
-        decode = speculative_decoder(models, with_settings(cfg, search), method, tokenizer.eos_token_id, None,
+        decode = speculative_decoder(models, with_settings(cfg, settings), method, tokenizer.eos_token_id, None,
                                      on_step=lambda proposal, leaf: edges.append(reached_edges(proposal, leaf)))
         steps = sum(len(decode(prompt, budget)[1].accepted) for prompt in prompts)
         probs, accepted = (torch.cat(x) for x in zip(*edges))
