@@ -6,7 +6,7 @@ distribution gave it, against how often the target then accepted it.
 
 The best-first search ranks paths by products of these probabilities, so where they run high (overconfident)
 it builds trees too deep and too narrow; `weaver.train.calibrate` shrinks an adapter's correction by its
-held-out loss (README: calibration). Arguments other than the options are eval.py overrides; a run may set
+held-out loss (docs/results.md: calibration). Arguments other than the options are eval.py overrides; a run may set
 weaver.search for itself as in `spec_decode.py` (weaver:16:rescore=2).
 """
 

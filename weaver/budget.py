@@ -19,8 +19,8 @@ steps after its choice last changed a step verifies at the largest candidate cos
 choice holds. One such step refreshes every gain a move up could rest on: exploring only the next larger
 candidate left the gains beyond it at the first step's value, and when that step had accepted nothing between
 budgets 1 and 32, DDTree on SmolLM2 sat at budget 1 (0.91-0.94 of the best fixed budget, whose gain lay two
-candidates up; README). The doubling keeps exploration cheap as the choice settles (a fixed rate of one step in 8
-paid 2-3% of a SmolLM2 decode); the intervals grow only once the gain above the choice rests on `explore_every`
+candidates up; docs/results.md). The doubling keeps exploration cheap as the choice settles (a fixed rate of
+one step in 8 paid 2-3% of a SmolLM2 decode); the intervals grow only once the gain above the choice rests on `explore_every`
 steps: sampled acceptance is noisy, and a gain read as zero from a few steps had locked sampled Weaver on SmolLM2
 into budget 2. The first step uses the largest candidate.
 """
@@ -157,7 +157,7 @@ class BudgetPlanner(StepCosts):
         last read n steps ago keeps decay ** n of its weight, so a gain seen only on exploration steps follows
         each fresh reading instead of staying near a low one read before the choice moved below it (replayed at
         reach 1.5, median of 50 prompt orders against the best fixed budget: tiny-target DDTree 0.88 against 0.82
-        with 10% per reading, SmolLM2 DDTree 0.963 against 0.957; README)."""
+        with 10% per reading, SmolLM2 DDTree 0.963 against 0.957; docs/results.md)."""
         self.counts[slot] += 1
         elapsed, self.updated[slot] = max(1, self.steps - self.updated[slot]), self.steps
         weight = max(1 / self.counts[slot], 1 - self.decay ** elapsed)
@@ -169,14 +169,14 @@ class StepwisePlanner(StepCosts):
     marginals that cost little more to build large than small (the chain, DDTree). Each step builds the largest
     candidate's tree and verifies its first b nodes, b the candidate maximising (1 + the sum of those nodes'
     path probabilities) / cost(b): the product of a node's edge probabilities is the chance that greedy
-    acceptance walks through it when the drafter is calibrated (KL-distilled marginals are: README,
+    acceptance walks through it when the drafter is calibrated (KL-distilled marginals are: docs/results.md,
     calibration), so the sum is the step's expected accepted drafts at b. A confident step verifies a long
     chain, an unsure one a few nodes. Nothing is estimated across steps but the costs, so there is no
     exploration and no warm-up. Opt-in (`eval.auto_budget.stepwise`): replayed over recorded steps at the
     probe's fixed-budget costs it led the best fixed budget (tiny DDTree 1.22x, SmolLM2 1.02x), but building
     the largest tree every step costs what it saves, and decoding on our CPUs measured it at or below the
-    running-means planner (README: per-step budgets). `build`: the budget of the tree each step builds (default
-    the largest candidate; the start-up probe times one candidate at a time as these steps take it)."""
+    running-means planner (docs/results.md: per-step budgets). `build`: the budget of the tree each step builds
+    (default the largest candidate; the start-up probe times one candidate at a time as these steps take it)."""
 
     def __init__(self, costs: dict[int, float], decay: float = 0.98, build: int | None = None):
         super().__init__(costs, decay)

@@ -193,7 +193,7 @@ def rescored_weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     Here the candidates are fixed in advance and every one is scored at once, attending to its ancestors
     among them (`weaver.static_trees.rescore_candidates`; with `search.compiled` the whole selection is one
     graph). The result is the wave search's tree restricted to nodes the drafter's marginals also rank among
-    their best `rescore` x budget: equal to it when those hold it, as the measured τ shows (README). Sampling
+    their best `rescore` x budget: equal to it when those hold it, as the measured τ shows (docs/results.md). Sampling
     keeps the wave search: its children must be drawn from the adapter's distribution.
     """
     adapter, target, draft_logits = _adapter_of(step), step.target, step.draft.logits[0]

@@ -44,8 +44,9 @@ def training_precision(setting: str, device: torch.device) -> str:
 def inference_dtype(setting: str, device: torch.device) -> torch.dtype:
     """Weights' dtype for decoding and rollouts: `auto` is bf16 on a GPU and fp32 on a CPU.
 
-    On a CPU at batch 1 decoding is bound by dispatch and memory latency, not matmul throughput, so bf16
-    buys little there (README: measured) while fp32 keeps tree verification and AR decoding bit-close."""
+    Not bf16 on a CPU although native bf16 decodes SmolLM2 1.4-1.8x faster there: a verify pass and a decode step
+    run different kernels whose bf16 rounding differs, so greedy speculation would leave AR decoding's output
+    (README: "Precision follows the hardware"; docs/results.md: on a Xeon with AMX). fp32 keeps them bit-close."""
     if setting not in DTYPES:
         raise WeaverError(f"model.dtype must be one of {', '.join(DTYPES)}, not '{setting}'")
     if setting != "auto":
@@ -59,7 +60,7 @@ def drafter_dtype(setting: str, target_dtype: torch.dtype, device: torch.device)
     """Weights' dtype of the drafter at inference (`drafter.dtype`): `model` = the target's; `auto` = bf16 where
     bf16 matmuls are fast, else the target's. The draft only proposes (the target verifies every token), so
     its rounding never touches losslessness, and its block of 16 positions is a multi-row matmul, where
-    native bf16 pays at batch 1 too (README: measured)."""
+    native bf16 pays at batch 1 too (docs/results.md: the drafter in bf16)."""
     if setting == "model":
         return target_dtype
     if setting == "auto":

@@ -117,7 +117,7 @@ class Proposal:
 
     def path_probs(self) -> torch.Tensor:
         """(T,) the product of the edge probabilities from the anchor to each node: with calibrated draft
-        probabilities, the chance that greedy acceptance walks through the node (README: per-step budgets)."""
+        probabilities, the chance that greedy acceptance walks through the node (docs/results.md: per-step budgets)."""
         edges = self.edge_probs().clamp(min=1e-30).log()
         return (self.tree.ancestors.to(edges.dtype) @ edges).exp()
 

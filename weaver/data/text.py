@@ -2,7 +2,7 @@
 
 A rollout costs the target one decode step per token; reading text costs it one batched forward for the
 whole sequence, ~10x cheaper per token on a CPU (SmolLM2-135M: ~1,100 tokens/s read against ~100 written,
-README). So besides its own responses the drafter can learn from `drafter.text.n_sequences` windows of
+docs/results.md). So besides its own responses the drafter can learn from `drafter.text.n_sequences` windows of
 `seq_len` tokens cut from offline corpora (`weaver.data.corpus` sources): the target reads each window once
 and its tapped and final-norm states are stored as the `states` stage stores a rollout's. The text is not
 the target's, so its tokens are not labels: the drafter learns the target's own distribution there (KL to

@@ -20,7 +20,7 @@ INDUCTOR_MODES: dict[str, dict[str, Any]] = {
     # The weights are frozen into each graph as constants, so inductor can prepack them and benchmark every
     # matmul at compile time between ATen (MKL / oneDNN) and its own C++ GEMM templates, keeping the faster.
     # Batch-1 decoding multiplies 1-65 rows by each weight, where ATen's CPU GEMM repacks the whole weight
-    # per call (2.1x slower SmolLM2 decode on an AVX2 EPYC, README). A graph's weights must not change
+    # per call (2.1x slower SmolLM2 decode on an AVX2 EPYC, docs/results.md). A graph's weights must not change
     # after its first call; each graph holds its own packed copy of them.
     "max-autotune": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
 }

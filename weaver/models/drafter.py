@@ -265,7 +265,7 @@ class Drafter(nn.Module):
     def block_compiled(self, compiled: Compile = True) -> Callable[..., Draft]:
         """`block` compiled once per drafter and inductor mode; the logit rows are the length of a static
         tensor, the context length dynamic. With "max-autotune" the lm_head over a few rows gets a GEMM
-        kernel picked by measurement: ATen's costs 2-3x its one-row GEMV on an AVX2 CPU (README)."""
+        kernel picked by measurement: ATen's costs 2-3x its one-row GEMV on an AVX2 CPU (docs/results.md)."""
         mode = inductor_mode(compiled)
         if mode not in self._compiled_block:
             graph = compile_step(lambda target, cache, anchor, anchor_position, rows: self.block(

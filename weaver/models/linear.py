@@ -3,8 +3,8 @@
 At the row counts of decoding (one token, a tree of 2-65 nodes, a batch of rollouts) a CPU matmul is bound by
 reading the weight from memory, and ATen's GEMM re-packs the whole weight on every call for more than one row:
 a SmolLM2 verify pass of 5 nodes read its 540 MB of fp32 weights about twice, and 2-3 rows ran as one GEMV each
-(README: "Prepacked weights"). oneDNN's inner product on a weight reordered once reads it once, for any number
-of rows. The packed copy is kept beside the weight tensor and rebuilt when the weight changes (its version
+(docs/results.md: "Prepacked weights"). oneDNN's inner product on a weight reordered once reads it once, for any
+number of rows. The packed copy is kept beside the weight tensor and rebuilt when the weight changes (its version
 counter); training (autograd on) and other devices take `F.linear`, which stays the reference.
 """
 
@@ -22,8 +22,8 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # the row count oneDNN lays the copy out for: 16 reads as fast as 1 at one row, and 1.6x faster at 5-17 rows
 PACKED_FOR_ROWS = 16
 # Smaller weights stay with F.linear: they are read quickly anyway, and the custom op's Python dispatch (tens of
-# microseconds) outweighs the gain (the tiny target's adapter search was 25% slower packed, README; the adapter's
-# 256 x 1024 MLP weight, 2^18 elements, made each of its calls 60 us slower packed: 0.48 against 0.42 ms)
+# microseconds) outweighs the gain (the tiny target's adapter search was 25% slower packed, docs/results.md; the
+# adapter's 256 x 1024 MLP weight, 2^18 elements, made each of its calls 60 us slower packed: 0.48 against 0.42 ms)
 PACK_MIN_ELEMENTS = (1 << 18) + 1
 _enabled = torch.backends.mkldnn.is_available()
 # weight -> (what it was packed from, packed copy), by identity: beside the weight, not on it, so that a model

@@ -154,8 +154,8 @@ def calibrate_correction(adapter: WeaverAdapter, heldout_loss: Callable[[float],
     Trained with cross-entropy on a few thousand greedy rollouts, the adapter is overconfident on text it has not
     seen (SmolLM2: paths it scores 0.7-0.9 are accepted half the time), and the best-first search, which ranks
     paths by those scores, then goes too deep; shrinking the correction towards the drafter's prior, which
-    is calibrated, buys τ (README: calibration). Temperature scaling (Guo et al., 2017) applied to the correction
-    only: the prior's own confidence is kept."""
+    is calibrated, buys τ (docs/results.md: calibration). Temperature scaling (Guo et al., 2017) applied to the
+    correction only: the prior's own confidence is kept."""
     losses = {scale: heldout_loss(scale) for scale in CALIBRATION_SCALES}
     best = min(losses, key=losses.get)
     adapter.query.weight.mul_(best)

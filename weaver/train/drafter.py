@@ -166,7 +166,7 @@ def corpus_token_counts(sources: Sequence[str], tokenizer, vocab_size: int, batc
 def frequent_tokens(counts: list[torch.Tensor], n: int) -> torch.Tensor:
     """The n most frequent tokens under the equal mixture of the count vectors' frequencies, ascending by id
     (ties: the lower id first). A few hundred rollouts see a few thousand distinct tokens; a general corpus
-    beside them covers the rest of what an evaluation prompt asks for (README: held-out coverage)."""
+    beside them covers the rest of what an evaluation prompt asks for (docs/results.md: reading text)."""
     score = sum(c.double() / c.sum().clamp(min=1) for c in counts)
     order = torch.argsort(-score, stable=True)  # stable: equal scores keep ascending ids
     return order[:n].sort().values
