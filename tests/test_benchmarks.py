@@ -110,7 +110,8 @@ def test_inference_dtype_benchmark_runs(smoke_outputs):
                       "--repeats", "1", "--batch", "3")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "batch 3, 64 prompt + 4 new tokens" in done.stdout
-    assert [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")][1:] == ["fp32", "bf16"]
+    names = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert names == ["fp32", "bf16", "bf16, fast kernels"]
 
 
 def test_inference_dtype_agreement_table(smoke_outputs):
@@ -118,7 +119,8 @@ def test_inference_dtype_agreement_table(smoke_outputs):
                       "--repeats", "1", "--agreement", "3", "eval.datasets=[heldout_code]", "eval.n_prompts=2")
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1:4] for line in done.stdout.splitlines() if line.startswith("| ") and " of " in line]
-    assert [(name.strip(), total.split(" of ")[1].strip()) for name, total, _ in rows] == [("fp32", "12"), ("bf16", "12")]
+    assert [(name.strip(), total.split(" of ")[1].strip()) for name, total, _ in rows] == [
+        ("fp32", "12"), ("bf16", "12"), ("bf16, fast kernels", "12")]
 
 
 def test_argmax_flips_rereads_the_greedy_answer_position_by_position(target, monkeypatch):

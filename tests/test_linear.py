@@ -40,6 +40,43 @@ def test_prepacked_equals_f_linear_over_random_shapes(dtype):
         torch.testing.assert_close(out, F.linear(x, weight, bias), **TOL[dtype])
 
 
+def heavy_tailed(rows: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    x = torch.randn(rows, k, generator=generator)
+    return (x * torch.exp(2 * torch.randn(rows, k, generator=generator))).bfloat16()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("shape", [(576, 576), (960, 576), (576, 1536), (4096, 576), (200, 300)])
+def test_bf16_rows_are_bitwise_their_one_row_products(shape):
+    """Lossless bf16 speculation rests on this: however many rows one call multiplies, each output row is the
+    row a one-row call gives (every bf16 product runs in zero-padded calls of INVARIANT_ROWS rows)."""
+    generator = torch.Generator().manual_seed(shape[0])
+    weight = (0.05 * torch.randn(shape, generator=generator)).bfloat16()
+    x = heavy_tailed(80, shape[1], generator)
+    one_by_one = torch.cat([linear(row, weight, row_invariant=True) for row in x.split(1)])
+    for rows in (2, 7, 8, 9, 17, 33, 65, 80):
+        assert torch.equal(linear(x[:rows], weight, row_invariant=True), one_by_one[:rows]), f"{rows} rows"
+        assert torch.equal(linear(x[None, :rows], weight, row_invariant=True)[0], one_by_one[:rows]), f"{rows} rows, 3-D"
+
+
+@torch.inference_mode()
+def test_one_onednn_call_over_many_rows_is_not_row_invariant():
+    """Why bf16 products run in fixed 8-row calls: one call over more rows picks another kernel, which rounds
+    some outputs differently from the one-row call (on a Xeon with AMX: a few in 10^5 at SmolLM2's widths above
+    32 rows). A CPU whose kernels agree at every row count has nothing to show."""
+    for seed in range(6):
+        generator = torch.Generator().manual_seed(seed)
+        weight = (0.05 * torch.randn(960, 576, generator=generator)).bfloat16()
+        packed = linear_module._packed(weight)
+        x = heavy_tailed(80, 576, generator)
+        one_by_one = torch.cat([linear_module._packed_product(row, packed, None) for row in x.split(1)])
+        if not torch.equal(linear_module._packed_product(x, packed, None), one_by_one):
+            rows = torch.cat([linear(row, weight, row_invariant=True) for row in x.split(1)])
+            assert torch.equal(linear(x, weight, row_invariant=True), rows)
+            return
+    pytest.skip("oneDNN's bf16 kernels agree at 1 and 80 rows on this CPU")
+
+
 @torch.inference_mode()
 def test_compiled_equals_eager_and_uses_one_packed_copy():
     layer = Linear(48, 96)

@@ -83,6 +83,7 @@ def _run_target(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
 def _run_rollouts(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
     from weaver.artifacts import load_target_and_tokenizer
     from weaver.data.rollouts import corpus_prompts, generate_rollouts, set_prompts
+    from weaver.models.linear import exact_bf16
 
     r = cfg.rollouts
     target, tokenizer = load_target_and_tokenizer(cfg, r.dtype)
@@ -90,7 +91,8 @@ def _run_rollouts(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
         prompts = corpus_prompts(artifact_dir(cfg, "corpus"), r.n_prompts, r.prompt_tokens, cfg.seed)
     else:
         prompts = set_prompts(cfg, tokenizer)
-    generate_rollouts(target, prompts, r, tokenizer.eos_token_id, cfg.seed, out_dir, work_dir)
+    with exact_bf16(False):  # batched decoding, compared with nothing: the fast kernels
+        generate_rollouts(target, prompts, r, tokenizer.eos_token_id, cfg.seed, out_dir, work_dir)
 
 
 def _rollout_settings(cfg: DictConfig) -> list:
@@ -117,21 +119,25 @@ def _run_states(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
 
     from weaver.artifacts import load_target_and_tokenizer
     from weaver.data.states import build_states
+    from weaver.models.linear import exact_bf16
 
     r = cfg.rollouts
     target, _ = load_target_and_tokenizer(cfg, r.dtype)
     rows = datasets.load_from_disk(str(artifact_dir(cfg, "rollouts") / "dataset"))
-    build_states(target, rows, tap_layers_for(cfg, target), r.shard_size, r.batch_size, out_dir, work_dir)
+    with exact_bf16(False):  # batched decoding, compared with nothing: the fast kernels
+        build_states(target, rows, tap_layers_for(cfg, target), r.shard_size, r.batch_size, out_dir, work_dir)
 
 
 def _run_text(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
     from weaver.artifacts import load_target_and_tokenizer
     from weaver.data.text import build_text
+    from weaver.models.linear import exact_bf16
 
     r = cfg.rollouts
     target, tokenizer = load_target_and_tokenizer(cfg, r.dtype)
-    build_text(target, tokenizer, cfg.drafter.text, tap_layers_for(cfg, target), r.shard_size, r.batch_size, cfg.seed,
-               out_dir, work_dir)
+    with exact_bf16(False):  # batched reading, compared with nothing: the fast kernels
+        build_text(target, tokenizer, cfg.drafter.text, tap_layers_for(cfg, target), r.shard_size, r.batch_size,
+                   cfg.seed, out_dir, work_dir)
 
 
 def tap_layers_for(cfg: DictConfig, target) -> tuple[int, ...]:

@@ -44,9 +44,10 @@ def training_precision(setting: str, device: torch.device) -> str:
 def inference_dtype(setting: str, device: torch.device) -> torch.dtype:
     """Weights' dtype for decoding and rollouts: `auto` is bf16 on a GPU and fp32 on a CPU.
 
-    Not bf16 on a CPU although native bf16 decodes SmolLM2 1.4-1.8x faster there: a verify pass and a decode step
-    run different kernels whose bf16 rounding differs, so greedy speculation would leave AR decoding's output
-    (README: "Precision follows the hardware"; docs/results.md: on a Xeon with AMX). fp32 keeps them bit-close."""
+    fp32 on a CPU, where every result of this repository was measured. `bfloat16` is lossless there too for
+    attention-only targets (`weaver.models.layers.exact_math`; hybrid GDN layers verify by another algorithm than
+    they decode, so not in bf16) and decodes SmolLM2 1.5-1.8x faster where bf16 is native (README: "Precision
+    follows the hardware")."""
     if setting not in DTYPES:
         raise WeaverError(f"model.dtype must be one of {', '.join(DTYPES)}, not '{setting}'")
     if setting != "auto":

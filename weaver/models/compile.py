@@ -15,14 +15,19 @@ from weaver.errors import WeaverError
 Compile = bool | str
 """How an inference step runs: False eager; True (= "default") or a key of INDUCTOR_MODES compiled."""
 
+# Rounding as eager code rounds: inductor otherwise keeps a fused bf16 chain in fp32 and rounds once, so compiled
+# and eager bf16 steps differ, and lossless bf16 speculation needs them bitwise equal (`layers.exact_math`).
+# fp32 graphs have no such casts.
+EAGER_ROUNDING = {"emulate_precision_casts": True}
+
 INDUCTOR_MODES: dict[str, dict[str, Any]] = {
-    "default": {},
+    "default": EAGER_ROUNDING,
     # The weights are frozen into each graph as constants, so inductor can prepack them and benchmark every
     # matmul at compile time between ATen (MKL / oneDNN) and its own C++ GEMM templates, keeping the faster.
     # Batch-1 decoding multiplies 1-65 rows by each weight, where ATen's CPU GEMM repacks the whole weight
     # per call (2.1x slower SmolLM2 decode on an AVX2 EPYC, docs/results.md). A graph's weights must not change
     # after its first call; each graph holds its own packed copy of them.
-    "max-autotune": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
+    "max-autotune": {**EAGER_ROUNDING, "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
 }
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weaver.models.config import TargetConfig
-from weaver.models.linear import Linear
+from weaver.models.linear import Linear, exact_bf16_enabled
 
 
 class RMSNorm(nn.Module):
@@ -34,11 +34,28 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.scale, self.eps)
 
 
+def exact_math(x: torch.Tensor) -> bool:
+    """Inference in bf16 on a CPU: the math between matmuls (norms, activations, attention) then runs
+    in float64 and is rounded back once. A verify pass reads a tree's tokens together, decoding reads them one
+    at a time, and eager and compiled code order sums and evaluate exp differently; in float64 those
+    differences (~1e-16) vanish in the rounding to bf16 (unless a value lies within them of a rounding
+    boundary), so with row-invariant matmuls (`weaver.models.linear.INVARIANT_ROWS`) each position's logits
+    are bitwise the same however the tokens are read, and greedy speculation in bf16 is lossless. float32
+    keeps its own kernels (fast, and 0 argmax flips measured); GPUs never take this path; `exact_bf16(False)`
+    turns it off."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.is_grad_enabled() and exact_bf16_enabled()
+
+
+def exact_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`xs` in float64 under `exact_math` (decided by the first), else as they are."""
+    return tuple(x.double() for x in xs) if exact_math(xs[0]) else xs
+
+
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * scale in fp32, cast back. Written out: torch's CPU rms_norm is a slower composite,
-    and skipping no-op casts matters in the batch-1 decode loop, which is dispatch-bound."""
-    h = x if x.dtype == torch.float32 else x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (scale if scale.dtype == torch.float32 else scale.float())
+    """x / rms(x) * scale in fp32 (float64 under `exact_math`), cast back. Written out: torch's CPU rms_norm is a
+    slower composite, and skipping no-op casts matters in the batch-1 decode loop, which is dispatch-bound."""
+    h = x.double() if exact_math(x) else x if x.dtype == torch.float32 else x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (scale if scale.dtype == h.dtype else scale.to(h.dtype))
     return h if h.dtype == x.dtype else h.to(x.dtype)
 
 
@@ -90,6 +107,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
+        if exact_math(gate):
+            return self.down((F.silu(gate.double()) * up.double()).to(gate.dtype))
         return self.down(F.silu(gate) * up)
 
 

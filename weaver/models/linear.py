@@ -6,6 +6,14 @@ a SmolLM2 verify pass of 5 nodes read its 540 MB of fp32 weights about twice, an
 (docs/results.md: "Prepacked weights"). oneDNN's inner product on a weight reordered once reads it once, for any
 number of rows. The packed copy is kept beside the weight tensor and rebuilt when the weight changes (its version
 counter); training (autograd on) and other devices take `F.linear`, which stays the reference.
+
+In bf16 the packed product is also *row-invariant*: each output row is bitwise the same however many rows one
+call multiplies, which lossless speculation in bf16 needs (a verify pass reads a tree's rows together, decoding
+reads one at a time; `weaver.models.layers.exact_math`). oneDNN picks its bf16 kernel by the row count, and the
+kernels round a few outputs differently (from 16 to 47 rows at the shapes we probed on a Xeon with AMX, one
+output in 10^5 or fewer: not a threshold a probe can find), so every bf16 product runs in calls of exactly
+INVARIANT_ROWS rows, zero-padded: one kernel for every row, and a row's result does not depend on its place
+in the call (tests/test_linear.py). 8 rows cost what one row costs on that CPU (the weight read dominates).
 """
 
 from __future__ import annotations
@@ -25,7 +33,11 @@ PACKED_FOR_ROWS = 16
 # microseconds) outweighs the gain (the tiny target's adapter search was 25% slower packed, docs/results.md; the
 # adapter's 256 x 1024 MLP weight, 2^18 elements, made each of its calls 60 us slower packed: 0.48 against 0.42 ms)
 PACK_MIN_ELEMENTS = (1 << 18) + 1
-_enabled = torch.backends.mkldnn.is_available()
+# the row count of every bf16 product (module docstring)
+INVARIANT_ROWS = 8
+_ONEDNN = torch.backends.mkldnn.is_available()
+_enabled = _ONEDNN
+_exact = True
 # weight -> (what it was packed from, packed copy), by identity: beside the weight, not on it, so that a model
 # still pickles and deep-copies (an mkldnn tensor does neither); the copy goes when the weight does
 _PACKED = WeakIdKeyDictionary()
@@ -35,7 +47,7 @@ def use_prepacked_weights(enabled: bool) -> bool:
     """Turn prepacked weights on or off for this process (`eval.prepack`); returns the previous setting.
     Compiled graphs guard on it, so each setting gets its own graph."""
     global _enabled
-    before, _enabled = _enabled, enabled and torch.backends.mkldnn.is_available()
+    before, _enabled = _enabled, enabled and _ONEDNN
     return before
 
 
@@ -49,32 +61,72 @@ def prepacked_weights(enabled: bool) -> Iterator[None]:
         use_prepacked_weights(before)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def exact_bf16_enabled() -> bool:
+    """Whether bf16 inference on a CPU is made bitwise independent of how tokens are batched (`exact_bf16`)."""
+    return _exact
+
+
+@contextlib.contextmanager
+def exact_bf16(enabled: bool) -> Iterator[None]:
+    """Inside the block, bf16 inference on a CPU is (True, the default) or is not made row-invariant and exact
+    (`weaver.models.layers.exact_math`, INVARIANT_ROWS). The data stages turn it off: they decode batches of
+    rollouts, where nothing is compared token for token and a batch of 32 rows would run as 4 calls."""
+    global _exact
+    before, _exact = _exact, enabled
+    try:
+        yield
+    finally:
+        _exact = before
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_invariant: bool = False
+) -> torch.Tensor:
     """`F.linear`, through the prepacked weight where that applies (CPU, fp32/bf16, a weight of at least
-    PACK_MIN_ELEMENTS, no autograd, no autocast)."""
-    if (_enabled and x.device.type == "cpu" and weight.dtype in PACKED_DTYPES and x.dtype == weight.dtype
-            and weight.numel() >= PACK_MIN_ELEMENTS
-            and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")):
-        return prepacked_linear(x, weight, bias)
+    PACK_MIN_ELEMENTS, no autograd, no autocast); in bf16 row-invariant if asked (the target's layers ask:
+    a drafter or adapter only proposes, and its 16-row blocks would run as two calls), then packed whatever
+    the weight's size or `eval.prepack`, since losslessness rests on it."""
+    if x.device.type != "cpu" or x.dtype != weight.dtype or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+        return F.linear(x, weight, bias)
+    exact = row_invariant and _exact and x.dtype == torch.bfloat16 and _ONEDNN
+    if exact or (_enabled and weight.dtype in PACKED_DTYPES and weight.numel() >= PACK_MIN_ELEMENTS):
+        return prepacked_linear(x, weight, bias, exact)
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and state dict) that runs through `linear`."""
+    """`nn.Linear` (same parameters and state dict) that runs through `linear`; `row_invariant` set by the model
+    that needs it (the target)."""
+
+    row_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.row_invariant)
 
 
 @torch.library.custom_op("weaver::prepacked_linear", mutates_args=())
-def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias with oneDNN's packed copy of `weight`. An opaque op to torch.compile: the packed
-    tensor (an mkldnn layout) cannot enter a traced graph, the plain weight can."""
-    return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), bias, "none", [], "")
+def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_invariant: bool) -> torch.Tensor:
+    """x @ weight.T + bias with oneDNN's packed copy of `weight`, in bf16 row-invariant if asked. An opaque op to
+    torch.compile: the packed tensor (an mkldnn layout) cannot enter a traced graph, the plain weight can."""
+    packed = _packed(weight)
+    if not row_invariant or x.dtype != torch.bfloat16:  # fp32 is not claimed bitwise row-invariant: one call
+        return _packed_product(x, packed, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    padded = F.pad(flat, (0, 0, 0, -rows % INVARIANT_ROWS))
+    if len(padded) == INVARIANT_ROWS:  # a decode step, a small tree
+        out = _packed_product(padded, packed, bias)
+    else:
+        out = torch.cat([_packed_product(chunk, packed, bias) for chunk in padded.split(INVARIANT_ROWS)])
+    return out[:rows].view(*x.shape[:-1], weight.shape[0])
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @prepacked_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_invariant: bool) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

@@ -30,7 +30,7 @@ from weaver.models.cache import ModelCache
 from weaver.models.compile import Compile, compile_step, inductor_mode
 from weaver.models.config import TargetConfig
 from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_
-from weaver.models.layers import MLP, RMSNorm, apply_rope, Rotary, rms_norm
+from weaver.models.layers import MLP, RMSNorm, Rotary, apply_rope, exact_inputs, rms_norm
 from weaver.models.linear import Linear
 from weaver.models.steps import GDNLayerPending, Pending, Step, TargetOutput
 from weaver.tree import Tree
@@ -59,17 +59,19 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
         H, Hkv, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         q, k, v, gate = self.project(x, step, cache)
+        dtype, (q, k, v) = q.dtype, exact_inputs(q, k, v)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.attn_mask, is_causal=step.is_causal, scale=D**-0.5,
                                            enable_gqa=Hkv != H)
-        return self.output(o, gate)
+        return self.output(o.to(dtype), gate)
 
     def forward_tree(self, x: torch.Tensor, step: Step, cache: ModelCache) -> torch.Tensor:
         """Verify: each node attends to the committed context (valid slots) and its ancestors-or-self; its
         keys/values go to scratch slots that `commit` compacts."""
         q, k, v, gate = self.project(x, step, cache)
+        dtype, (q, k, v) = q.dtype, exact_inputs(q, k, v)
         o = tree_attention(q, k, v, step.tree, prefix_valid=cache.valid[:, : step.start],
                            scale=self.cfg.head_dim**-0.5, ancestors=step.ancestors)
-        return self.output(o, gate)
+        return self.output(o.to(dtype), gate)
 
     def project(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> tuple[torch.Tensor, ...]:
         """q (B, H, T, D) and, after the new tokens are written to the cache, k and v over every slot so far;
@@ -221,6 +223,9 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(cfg.inv_freq, cfg.rope_scaling)
+        for module in self.modules():  # bf16 verify passes bitwise equal to decoding (weaver.models.linear)
+            if isinstance(module, Linear):
+                module.row_invariant = True
         self._compiled_forward: dict[str, Callable[..., TargetOutput]] = {}  # by inductor mode
         self._compiled_tree_layers: dict[str, Callable[..., TargetOutput]] = {}
 

@@ -1,0 +1,99 @@
+"""bf16 targets on a CPU are lossless token for token: a tree's logits in a verify pass are bitwise the logits of
+decoding each node's path one token at a time, eager and compiled, so greedy speculation reproduces bf16 AR
+decoding exactly (`weaver.models.layers.exact_math`: the math between matmuls in float64;
+`weaver.models.linear.INVARIANT_ROWS`: matmuls in fixed-size row calls). bf16 logits tie often, so a
+path that rounds differently shows up as a different argmax quickly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from hf_tiny import VOCAB
+from test_tree_verify import random_tree
+from weaver.engine import speculative_generate
+from weaver.generate import generate
+from weaver.models.checkpoint import load_target
+from weaver.models.drafter import Drafter
+from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
+from weaver.models.linear import prepacked_weights
+from weaver.tree import Tree
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN (mkldnn) not built in")
+
+
+@pytest.fixture(scope="module")
+def bf16_target(tmp_path_factory):
+    """An attention-only target as wide as SmolLM2 (576), where oneDNN's bf16 kernels change with the row count
+    (above 32 rows on a Xeon with AMX), in bf16."""
+    folder = tmp_path_factory.mktemp("qwen3_wide")
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, num_hidden_layers=2, rms_norm_eps=1e-5,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "proj" in name:
+                p.mul_(4.0)  # activations with spread, as in a trained model
+    hf.save_pretrained(folder)
+    return load_target(str(folder), torch.bfloat16)
+
+
+def decode_path(target, context: torch.Tensor, tokens: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """Logits after each of `tokens`, decoded one at a time after `context`'s prefill."""
+    step = target.decode_fn(compiled)
+    cache = target.new_cache(1, context.shape[1] + len(tokens) + 1)
+    step(context, cache, logits_to_keep=1)
+    return torch.cat([step(t.view(1, 1), cache).logits[0] for t in tokens])
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("T,shape,prepack", [(5, "chain", True), (17, "random", True), (40, "random", True),
+                                             (65, "star", True), (40, "random", False)])
+def test_tree_logits_are_bitwise_the_decoded_path_logits(bf16_target, T, shape, prepack):
+    """Also with `eval.prepack` off: the target's bf16 products take the row-invariant path regardless."""
+    with prepacked_weights(prepack):
+        check_tree_against_decoding(bf16_target, T, shape)
+
+
+def check_tree_against_decoding(bf16_target, T: int, shape: str) -> None:
+    gen = torch.Generator().manual_seed(T)
+    context = torch.randint(3, VOCAB, (1, 37), generator=gen)  # a prefill over 32 rows: chunked too
+    tree = random_tree(T, gen, shape)
+    cache = bf16_target.new_cache(1, 128)
+    bf16_target(context, cache)
+    out, _ = bf16_target.verify(tree, cache)
+    for node in range(T):
+        decoded = decode_path(bf16_target, context, tree.tokens[tree.path_to(node)])[-1]
+        assert torch.equal(out.logits[0, node], decoded), f"node {node} of a {shape} tree of {T}"
+
+
+@torch.inference_mode()
+def test_compiled_decode_and_verify_are_bitwise_eager_decoding(bf16_target):
+    """inductor rounds bf16 as eager code does (`emulate_precision_casts`), so the compiled decode step and a
+    compiled verify pass (a 40-node chain padded to the 65-node bucket: chunked products) give eager's logits."""
+    gen = torch.Generator().manual_seed(3)
+    context, tokens = torch.randint(3, VOCAB, (1, 12), generator=gen), torch.randint(3, VOCAB, (40,), generator=gen)
+    eager = decode_path(bf16_target, context, tokens)
+    assert torch.equal(decode_path(bf16_target, context, tokens, compiled=True), eager)
+    cache = bf16_target.new_cache(1, 128)
+    bf16_target(context, cache)
+    out, _ = bf16_target.verify(Tree.chain(tokens), cache, compiled=True)
+    assert torch.equal(out.logits[0], eager[:40])
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 48)])
+def test_greedy_speculation_in_bf16_equals_bf16_autoregressive_decoding(bf16_target, method, budget):
+    torch.manual_seed(1)
+    cfg = new_drafter_config(bf16_target, num_layers=1, block_size=16, mask_token_id=VOCAB - 1, num_taps=2)
+    drafter = Drafter(drafter_config(cfg)).eval().to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    for n in (3, 40):
+        prompt = torch.randint(3, VOCAB, (n,), generator=gen).tolist()
+        reference = generate(bf16_target, [prompt], 40)[0]
+        out, _ = speculative_generate(bf16_target, drafter, prompt, 40, temperature=0, method=method, budget=budget)
+        assert out == reference, f"prompt of {n} tokens"
