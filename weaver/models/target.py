@@ -59,23 +59,22 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
         H, Hkv, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         q, k, v, gate = self.project(x, step, cache)
-        dtype, (q, k, v) = q.dtype, exact_inputs(q, k, v)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.attn_mask, is_causal=step.is_causal, scale=D**-0.5,
                                            enable_gqa=Hkv != H)
-        return self.output(o.to(dtype), gate)
+        return self.output(o, gate)
 
     def forward_tree(self, x: torch.Tensor, step: Step, cache: ModelCache) -> torch.Tensor:
         """Verify: each node attends to the committed context (valid slots) and its ancestors-or-self; its
         keys/values go to scratch slots that `commit` compacts."""
         q, k, v, gate = self.project(x, step, cache)
-        dtype, (q, k, v) = q.dtype, exact_inputs(q, k, v)
         o = tree_attention(q, k, v, step.tree, prefix_valid=cache.valid[:, : step.start],
                            scale=self.cfg.head_dim**-0.5, ancestors=step.ancestors)
-        return self.output(o.to(dtype), gate)
+        return self.output(o, gate)
 
     def project(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> tuple[torch.Tensor, ...]:
-        """q (B, H, T, D) and, after the new tokens are written to the cache, k and v over every slot so far;
-        the output gate (B, T, H*D) or None."""
+        """q (B, H, T, D) and, after the new tokens are written to the cache, k and v over every slot so far (in
+        float64 under `exact_math`: the attention then rounds once, in `output`); the output gate (B, T, H*D) or
+        None."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -94,11 +93,13 @@ class Attention(nn.Module):
             cache.keys[self.layer][:, :, step.start : end] = k
             cache.values[self.layer][:, :, step.start : end] = v
             k, v = cache.keys[self.layer][:, :, :end], cache.values[self.layer][:, :, :end]
-        return q, k, v, gate
+        return (*exact_inputs(q, k, v), gate)
 
     def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         B, _, T, _ = o.shape
         o = o.transpose(1, 2).reshape(B, T, -1)
+        if o.dtype == torch.float64:  # `exact_math` attention: rounded back to the (bf16) weights' dtype once
+            o = o.to(self.o.weight.dtype)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o(o)
