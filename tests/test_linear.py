@@ -35,7 +35,8 @@ def test_prepacked_equals_f_linear_over_random_shapes(dtype):
         weight = torch.randn(n, k, generator=generator).to(dtype)
         bias = torch.randn(n, generator=generator).to(dtype) if trial % 3 else None
         out = linear(x, weight, bias)
-        assert packed_copy(weight) is not None, "the fast path was not taken"
+        # bf16 is packed only where oneDNN has bf16 kernels (not on an AVX2-only CPU): F.linear elsewhere
+        assert (packed_copy(weight) is not None) == (dtype in linear_module.PACKED_DTYPES), "wrong path taken"
         assert out.shape == (*lead, n) and out.dtype == dtype
         torch.testing.assert_close(out, F.linear(x, weight, bias), **TOL[dtype])
 
@@ -45,11 +46,23 @@ def heavy_tailed(rows: int, k: int, generator: torch.Generator) -> torch.Tensor:
     return (x * torch.exp(2 * torch.randn(rows, k, generator=generator))).bfloat16()
 
 
+@pytest.fixture(params=["onednn", "float64"])
+def bf16_kernels(request, monkeypatch):
+    """Both ways of running the target's bf16 products: oneDNN's kernels, and float64 as on a CPU without them."""
+    if request.param == "float64":
+        monkeypatch.setattr(linear_module, "_ONEDNN_BF16", False)
+        monkeypatch.setattr(linear_module, "PACKED_DTYPES", (torch.float32,))
+    elif torch.bfloat16 not in linear_module.PACKED_DTYPES:
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    return request.param
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("shape", [(576, 576), (960, 576), (576, 1536), (4096, 576), (200, 300)])
-def test_bf16_rows_are_bitwise_their_one_row_products(shape):
+def test_bf16_rows_are_bitwise_their_one_row_products(shape, bf16_kernels):
     """Lossless bf16 speculation rests on this: however many rows one call multiplies, each output row is the
-    row a one-row call gives (every bf16 product runs in zero-padded calls of INVARIANT_ROWS rows)."""
+    row a one-row call gives (every bf16 product runs in zero-padded calls of INVARIANT_ROWS rows, or in float64
+    where oneDNN has no bf16 kernels)."""
     generator = torch.Generator().manual_seed(shape[0])
     weight = (0.05 * torch.randn(shape, generator=generator)).bfloat16()
     x = heavy_tailed(80, shape[1], generator)
@@ -57,13 +70,18 @@ def test_bf16_rows_are_bitwise_their_one_row_products(shape):
     for rows in (2, 7, 8, 9, 17, 33, 65, 80):
         assert torch.equal(linear(x[:rows], weight, row_invariant=True), one_by_one[:rows]), f"{rows} rows"
         assert torch.equal(linear(x[None, :rows], weight, row_invariant=True)[0], one_by_one[:rows]), f"{rows} rows, 3-D"
+    bias = torch.randn(shape[0], generator=generator).bfloat16()
+    torch.testing.assert_close(linear(x, weight, bias, row_invariant=True), F.linear(x, weight, bias), **TOL[torch.bfloat16])
+    assert (packed_copy(weight).dtype == torch.float64) == (bf16_kernels == "float64")
 
 
 @torch.inference_mode()
 def test_one_onednn_call_over_many_rows_is_not_row_invariant():
     """Why bf16 products run in fixed 8-row calls: one call over more rows picks another kernel, which rounds
     some outputs differently from the one-row call (on a Xeon with AMX: a few in 10^5 at SmolLM2's widths above
-    32 rows). A CPU whose kernels agree at every row count has nothing to show."""
+    32 rows). A CPU whose kernels agree at every row count, or where oneDNN has none for bf16, has nothing to show."""
+    if torch.bfloat16 not in linear_module.PACKED_DTYPES:
+        pytest.skip("oneDNN has no bf16 kernels on this CPU (bf16 products run in float64)")
     for seed in range(6):
         generator = torch.Generator().manual_seed(seed)
         weight = (0.05 * torch.randn(960, 576, generator=generator)).bfloat16()

@@ -14,6 +14,10 @@ kernels round a few outputs differently (from 16 to 47 rows at the shapes we pro
 output in 10^5 or fewer: not a threshold a probe can find), so every bf16 product runs in calls of exactly
 INVARIANT_ROWS rows, zero-padded: one kernel for every row, and a row's result does not depend on its place
 in the call (tests/test_linear.py). 8 rows cost what one row costs on that CPU (the weight read dominates).
+Where oneDNN has no bf16 kernels (an AVX2-only CPU, or a torch built without oneDNN) the row-invariant bf16
+products run in float64 instead, on a float64 copy of the weight kept like the packed one: each product of two
+bf16 numbers is exact there and a sum's blocking moves it by ~1e-16, which the rounding back to bf16 removes.
+Slow (bf16 is the wrong choice on such a CPU: `model.dtype: auto` takes fp32), but lossless on every CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # the row count oneDNN lays the copy out for: 16 reads as fast as 1 at one row, and 1.6x faster at 5-17 rows
 PACKED_FOR_ROWS = 16
 # Smaller weights stay with F.linear: they are read quickly anyway, and the custom op's Python dispatch (tens of
@@ -36,6 +39,9 @@ PACK_MIN_ELEMENTS = (1 << 18) + 1
 # the row count of every bf16 product (module docstring)
 INVARIANT_ROWS = 8
 _ONEDNN = torch.backends.mkldnn.is_available()
+# oneDNN runs bf16 only with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2-only CPU has neither
+_ONEDNN_BF16 = _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+PACKED_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN_BF16 else (torch.float32,)
 _enabled = _ONEDNN
 _exact = True
 # weight -> (what it was packed from, packed copy), by identity: beside the weight, not on it, so that a model
@@ -88,7 +94,7 @@ def linear(
     the weight's size or `eval.prepack`, since losslessness rests on it."""
     if x.device.type != "cpu" or x.dtype != weight.dtype or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
         return F.linear(x, weight, bias)
-    exact = row_invariant and _exact and x.dtype == torch.bfloat16 and _ONEDNN
+    exact = row_invariant and _exact and x.dtype == torch.bfloat16
     if exact or (_enabled and weight.dtype in PACKED_DTYPES and weight.numel() >= PACK_MIN_ELEMENTS):
         return prepacked_linear(x, weight, bias, exact)
     return F.linear(x, weight, bias)
@@ -109,6 +115,8 @@ def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """x @ weight.T + bias with oneDNN's packed copy of `weight`, in bf16 row-invariant if asked. An opaque op to
     torch.compile: the packed tensor (an mkldnn layout) cannot enter a traced graph, the plain weight can."""
     packed = _packed(weight)
+    if packed.dtype == torch.float64:  # a bf16 weight where oneDNN has no bf16 kernels (module docstring)
+        return F.linear(x.double(), packed, None if bias is None else bias.double()).to(x.dtype)
     if not row_invariant or x.dtype != torch.bfloat16:  # fp32 is not claimed bitwise row-invariant: one call
         return _packed_product(x, packed, bias)
     flat = x.reshape(-1, x.shape[-1])
@@ -137,12 +145,19 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
-    """The weight reordered for oneDNN, made once; again when the weight was written to since."""
+    """The weight reordered for oneDNN (in float64 for a bf16 weight oneDNN cannot run), made once; again when the
+    weight was written to since."""
     key = (_version(weight), weight.data_ptr(), weight.dtype, weight.shape)  # `.data =` swaps storage unversioned
     cached = _PACKED.get(weight)
     if cached is None or cached[0] != key:
-        cached = _PACKED[weight] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS))
+        cached = _PACKED[weight] = (key, _pack(weight.detach()))
     return cached[1]
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype == torch.bfloat16 and not _ONEDNN_BF16:
+        return weight.double()
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
 
 
 def _version(weight: torch.Tensor) -> int:
