@@ -18,7 +18,7 @@ from weaver.generate import generate
 from weaver.models.checkpoint import load_target
 from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
-from weaver.models.linear import prepacked_weights
+from weaver.models.linear import exact_bf16, prepacked_weights
 from weaver.tree import Tree
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN (mkldnn) not built in")
@@ -97,3 +97,16 @@ def test_greedy_speculation_in_bf16_equals_bf16_autoregressive_decoding(bf16_tar
         reference = generate(bf16_target, [prompt], 40)[0]
         out, _ = speculative_generate(bf16_target, drafter, prompt, 40, temperature=0, method=method, budget=budget)
         assert out == reference, f"prompt of {n} tokens"
+
+
+@torch.inference_mode()
+def test_the_cache_keeps_keys_and_values_in_float64_when_exact(bf16_target):
+    """The attention reads them in float64 anyway (stored so, they convert once); the data stages' fast kernels keep
+    bf16, and a cache made in one setting still runs in the other."""
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    exact_cache = bf16_target.new_cache(1, 8)
+    with exact_bf16(False):
+        fast_cache = bf16_target.new_cache(1, 8)
+        assert bf16_target(ids, exact_cache).logits.isfinite().all()
+    assert (exact_cache.keys[0].dtype, fast_cache.keys[0].dtype) == (torch.float64, torch.bfloat16)
+    assert torch.equal(bf16_target(ids, bf16_target.new_cache(1, 8)).logits, bf16_target(ids).logits)

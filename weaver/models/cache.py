@@ -17,7 +17,7 @@ from weaver.models.config import TargetConfig
 
 @dataclass
 class ModelCache:
-    keys: list[torch.Tensor | None]  # per layer (B, H_kv, max_len, D) for attention layers
+    keys: list[torch.Tensor | None]  # per layer (B, H_kv, max_len, D) for attention layers (float64 for exact bf16)
     values: list[torch.Tensor | None]
     conv: list[torch.Tensor | None]  # per layer (B, conv_dim, kernel - 1) for GDN layers
     recurrent: list[torch.Tensor | None]  # per layer (B, HV, d_k, d_v) for GDN layers, fp32
@@ -28,15 +28,18 @@ class ModelCache:
 
     @classmethod
     def empty(
-        cls, cfg: TargetConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+        cls, cfg: TargetConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
+        kv_dtype: torch.dtype | None = None,
     ) -> "ModelCache":
+        """Empty buffers for `max_len` slots; attention keys and values in `kv_dtype` (default `dtype`)."""
+        kv_dtype = kv_dtype or dtype
         keys, values, conv, recurrent = [], [], [], []
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         for kind in cfg.layer_types:
             attn = kind == "full_attention"
             kv_shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-            keys.append(torch.zeros(kv_shape, dtype=dtype, device=device) if attn else None)
-            values.append(torch.zeros(kv_shape, dtype=dtype, device=device) if attn else None)
+            keys.append(torch.zeros(kv_shape, dtype=kv_dtype, device=device) if attn else None)
+            values.append(torch.zeros(kv_shape, dtype=kv_dtype, device=device) if attn else None)
             conv.append(None if attn else torch.zeros(batch_size, conv_dim, cfg.linear_conv_kernel - 1, dtype=dtype, device=device))
             recurrent.append(
                 None

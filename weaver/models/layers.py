@@ -47,8 +47,9 @@ def exact_math(x: torch.Tensor) -> bool:
 
 
 def exact_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`xs` in float64 under `exact_math` (decided by the first), else as they are."""
-    return tuple(x.double() for x in xs) if exact_math(xs[0]) else xs
+    """`xs` in float64 under `exact_math` (decided by the first) or when one already is (a float64 KV cache), else
+    as they are."""
+    return tuple(x.double() for x in xs) if exact_math(xs[0]) or any(x.dtype == torch.float64 for x in xs) else xs
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:

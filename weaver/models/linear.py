@@ -32,9 +32,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # the row count oneDNN lays the copy out for: 16 reads as fast as 1 at one row, and 1.6x faster at 5-17 rows
 PACKED_FOR_ROWS = 16
-# Smaller weights stay with F.linear: they are read quickly anyway, and the custom op's Python dispatch (tens of
-# microseconds) outweighs the gain (the tiny target's adapter search was 25% slower packed, docs/results.md; the
-# adapter's 256 x 1024 MLP weight, 2^18 elements, made each of its calls 60 us slower packed: 0.48 against 0.42 ms)
+# Smaller weights stay with F.linear: they are read quickly anyway, and the packed op's Python kernel outweighs the
+# gain (measured with its earlier, costlier @custom_op registration: the tiny target's adapter search was 25% slower
+# packed, docs/results.md; the adapter's 256 x 1024 MLP weight, 2^18 elements, made each call 60 us slower packed)
 PACK_MIN_ELEMENTS = (1 << 18) + 1
 # the row count of every bf16 product (module docstring)
 INVARIANT_ROWS = 8
@@ -110,22 +110,20 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.row_invariant)
 
 
-@torch.library.custom_op("weaver::prepacked_linear", mutates_args=())
-def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_invariant: bool) -> torch.Tensor:
-    """x @ weight.T + bias with oneDNN's packed copy of `weight`, in bf16 row-invariant if asked. An opaque op to
-    torch.compile: the packed tensor (an mkldnn layout) cannot enter a traced graph, the plain weight can."""
+def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_invariant: bool) -> torch.Tensor:
+    """The CPU kernel of `prepacked_linear` (below). Batch-1 decoding calls it ~120 times a SmolLM2 token, so each
+    torch op here is a few microseconds of every step: the common case pads and slices, nothing else."""
     packed = _packed(weight)
     if packed.dtype == torch.float64:  # a bf16 weight where oneDNN has no bf16 kernels (module docstring)
         return F.linear(x.double(), packed, None if bias is None else bias.double()).to(x.dtype)
     if not row_invariant or x.dtype != torch.bfloat16:  # fp32 is not claimed bitwise row-invariant: one call
         return _packed_product(x, packed, bias)
-    flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
-    padded = F.pad(flat, (0, 0, 0, -rows % INVARIANT_ROWS))
-    if len(padded) == INVARIANT_ROWS:  # a decode step, a small tree
-        out = _packed_product(padded, packed, bias)
-    else:
-        out = torch.cat([_packed_product(chunk, packed, bias) for chunk in padded.split(INVARIANT_ROWS)])
+    rows = x.numel() // x.shape[-1]
+    if rows <= INVARIANT_ROWS and x.dim() == 3 and len(x) == 1:  # a decode step, a small tree: the fewest ops
+        return _packed_product(F.pad(x, (0, 0, 0, INVARIANT_ROWS - rows)), packed, bias)[:, :rows]
+    padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % INVARIANT_ROWS))
+    chunks = padded.split(INVARIANT_ROWS)
+    out = torch.cat([_packed_product(c, packed, bias) for c in chunks]) if len(chunks) > 1 else _packed_product(padded, packed, bias)
     return out[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
@@ -133,9 +131,21 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@prepacked_linear.register_fake
+# x @ weight.T + bias with oneDNN's packed copy of `weight`, in bf16 row-invariant if asked: an op of its own,
+# opaque to torch.compile (the packed tensor, an mkldnn layout, cannot enter a traced graph; the plain weight can).
+# Registered with torch.library.Library rather than @custom_op, whose dispatch wrapper costs ~10 us more a call:
+# 4-6% of a compiled SmolLM2 decode step, over its 121 products (docs/results.md: "Prepacked weights").
+_LIBRARY = torch.library.Library("weaver", "FRAGMENT")  # FRAGMENT: other code may own the namespace too
+_LIBRARY.define("prepacked_linear(Tensor x, Tensor weight, Tensor? bias, bool row_invariant) -> Tensor")
+_LIBRARY.impl("prepacked_linear", _prepacked_linear, "CPU")
+
+
+@torch.library.register_fake("weaver::prepacked_linear")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_invariant: bool) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+prepacked_linear = torch.ops.weaver.prepacked_linear.default
 
 
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:

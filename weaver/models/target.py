@@ -30,7 +30,7 @@ from weaver.models.cache import ModelCache
 from weaver.models.compile import Compile, compile_step, inductor_mode
 from weaver.models.config import TargetConfig
 from weaver.models.gdn import chunk_gated_delta_rule, gated_delta_step_
-from weaver.models.layers import MLP, RMSNorm, Rotary, apply_rope, exact_inputs, rms_norm
+from weaver.models.layers import MLP, RMSNorm, Rotary, apply_rope, exact_inputs, exact_math, rms_norm
 from weaver.models.linear import Linear
 from weaver.models.steps import GDNLayerPending, Pending, Step, TargetOutput
 from weaver.tree import Tree
@@ -73,8 +73,8 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> tuple[torch.Tensor, ...]:
         """q (B, H, T, D) and, after the new tokens are written to the cache, k and v over every slot so far (in
-        float64 under `exact_math`: the attention then rounds once, in `output`); the output gate (B, T, H*D) or
-        None."""
+        float64 under `exact_math`, or with a float64 cache (`new_cache`): the attention then rounds once, in
+        `output`); the output gate (B, T, H*D) or None."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -245,8 +245,11 @@ class TargetModel(nn.Module):
         return self._compiled_forward[mode]
 
     def new_cache(self, batch_size: int, max_len: int) -> ModelCache:
+        """Keys and values in float64 under `exact_math` (the attention reads them in float64 anyway; stored so, they
+        are converted once, when written, not at every step: 3-7% of a SmolLM2 bf16 decode), else in the weights' dtype."""
         p = self.embed.weight
-        return ModelCache.empty(self.cfg, batch_size, max_len, p.dtype, p.device)
+        return ModelCache.empty(self.cfg, batch_size, max_len, p.dtype, p.device,
+                                kv_dtype=torch.float64 if exact_math(p) else p.dtype)
 
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None, *,
                 attention_mask: torch.Tensor | None = None, tap_layers: tuple[int, ...] = (),
