@@ -8,7 +8,7 @@
 
 What `model.dtype: auto` decides for a CPU rests on this: our eager (--compiled: compiled) AR decode, batch 1, the
 same random prompt, the settings interleaved over --repeats rounds, median tokens/s. Three settings: fp32; bf16 as
-eval.py runs it, made exact (on a CPU the math between matmuls in float64 and matmuls in fixed 8-row calls, so
+eval.py runs it, made exact (on a CPU the math between matmuls in float64 and matmuls in fixed-size calls, so
 that a verify pass rounds as decoding does: weaver.models.layers.exact_math); and "bf16, fast kernels", the same
 weights without that (`exact_bf16(False)`, as the data stages run), which is what exactness costs. With --batch N,
 N random prompts decoded together, as the rollouts stage does (what `rollouts.dtype: auto` rests on). With

@@ -7,30 +7,46 @@ After a prefill of --context pseudo-random tokens, times `TargetModel.verify` on
 (nothing is committed, so every call sees the same cache) and one-token decode steps, eager and compiled
 (`eval.compile`: true or max-autotune; a compiled verify pads the tree to its size bucket, `verify_size`), interleaved over
 --repeats rounds; medians. --both-linears times every forward twice, with prepacked weights and with
-`F.linear` (`eval.prepack`, weaver/models/linear.py), interleaved. Arguments other than the options are
-eval.py overrides (model, dtype, device).
+`F.linear` (`eval.prepack`, weaver/models/linear.py), interleaved; --invariant-rows 8 16 times every forward
+once per row count of lossless bf16's fixed-size matmul calls (`INVARIANT_ROWS`; with model.dtype=bfloat16 on
+a CPU). Arguments other than the options are eval.py overrides (model, dtype, device).
+
+    python benchmarks/verify_cost.py +experiment=smollm2 model.dtype=bfloat16 --sizes 5 9 17 33 --invariant-rows 8 16
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from hydra import compose, initialize_config_dir
 
 from weaver.eval.run import load_models
+from weaver.models import linear
 from weaver.models.linear import prepacked_weights
 from weaver.models.target import verify_size
 from weaver.pipeline import ROOT_CONF
 from weaver.tree import Tree
 
 
-def with_linears(packed: bool, run: Callable[[], object]) -> None:
-    with prepacked_weights(packed):
+def under(setting: Callable[[], contextlib.AbstractContextManager], run: Callable[[], object]) -> None:
+    with setting():
         run()
+
+
+@contextlib.contextmanager
+def invariant_rows(rows: int) -> Iterator[None]:
+    """Lossless bf16's matmul calls of `rows` rows inside the block (the kernel reads the setting per call, so
+    compiled graphs need no rebuild)."""
+    before, linear.INVARIANT_ROWS = linear.INVARIANT_ROWS, rows
+    try:
+        yield
+    finally:
+        linear.INVARIANT_ROWS = before
 
 
 def random_tree(size: int, vocab: int, generator: torch.Generator) -> Tree:
@@ -45,6 +61,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--both-linears", action="store_true", help="each forward with and without prepacked weights")
+    parser.add_argument("--invariant-rows", type=int, nargs="+", help="each forward with bf16 matmul calls of these rows")
     args, overrides = parser.parse_known_args()
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
         cfg = compose("eval", overrides=[*overrides, "eval.methods=[ar]"])
@@ -74,9 +91,13 @@ def main() -> None:
     if cfg.eval.compile:
         runs |= {f"verify {size} (compiled)": (lambda tree=tree: target.verify(tree, cache, compiled=cfg.eval.compile))
                  for size, tree in trees.items()}
-    if args.both_linears:
-        runs = {f"{label} {name}": (lambda run=run, packed=packed: with_linears(packed, run))
-                for label, run in runs.items() for name, packed in [("[prepacked]", True), ("[F.linear]", False)]}
+    # name -> the setting's context (made anew for every call)
+    variants = ({"[prepacked]": lambda: prepacked_weights(True), "[F.linear]": lambda: prepacked_weights(False)}
+                if args.both_linears else
+                {f"[{rows} rows]": lambda rows=rows: invariant_rows(rows) for rows in args.invariant_rows or ()})
+    if variants:  # every forward under each setting, interleaved
+        runs = {f"{label} {name}": (lambda run=run, setting=setting: under(setting, run))
+                for label, run in runs.items() for name, setting in variants.items()}
     times: dict[str, list[float]] = {label: [] for label in runs}
     for label, run in runs.items():  # warm-up: allocation and compilation
         timed(run)

@@ -96,6 +96,10 @@ def test_verify_cost_benchmark_runs(smoke_outputs):
                       "--repeats", "1", "eval.compile=false", "--both-linears")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| verify 2 [prepacked] |" in done.stdout and "| verify 2 [F.linear] |" in done.stdout
+    done = run_script("benchmarks/verify_cost.py", smoke_outputs, "+experiment=smoke", "--sizes", "2", "--context", "16",
+                      "--repeats", "1", "eval.compile=false", "model.dtype=bfloat16", "--invariant-rows", "8", "16")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| verify 2 [8 rows] |" in done.stdout and "| decode (eager) [16 rows] |" in done.stdout
 
 
 def test_train_precision_benchmark_runs():

@@ -67,7 +67,7 @@ def test_bf16_rows_are_bitwise_their_one_row_products(shape, bf16_kernels):
     weight = (0.05 * torch.randn(shape, generator=generator)).bfloat16()
     x = heavy_tailed(80, shape[1], generator)
     one_by_one = torch.cat([linear(row, weight, row_invariant=True) for row in x.split(1)])
-    for rows in (2, 7, 8, 9, 17, 33, 65, 80):
+    for rows in (2, 7, 8, 9, 15, 16, 17, 33, 65, 80):
         assert torch.equal(linear(x[:rows], weight, row_invariant=True), one_by_one[:rows]), f"{rows} rows"
         assert torch.equal(linear(x[None, :rows], weight, row_invariant=True)[0], one_by_one[:rows]), f"{rows} rows, 3-D"
     bias = torch.randn(shape[0], generator=generator).bfloat16()
@@ -77,7 +77,7 @@ def test_bf16_rows_are_bitwise_their_one_row_products(shape, bf16_kernels):
 
 @torch.inference_mode()
 def test_one_onednn_call_over_many_rows_is_not_row_invariant():
-    """Why bf16 products run in fixed 8-row calls: one call over more rows picks another kernel, which rounds
+    """Why bf16 products run in fixed-size calls (INVARIANT_ROWS): one call over more rows picks another kernel, which rounds
     some outputs differently from the one-row call (on a Xeon with AMX: a few in 10^5 at SmolLM2's widths above
     32 rows). A CPU whose kernels agree at every row count, or where oneDNN has none for bf16, has nothing to show."""
     if torch.bfloat16 not in linear_module.PACKED_DTYPES:

@@ -13,7 +13,10 @@ reads one at a time; `weaver.models.layers.exact_math`). oneDNN picks its bf16 k
 kernels round a few outputs differently (from 16 to 47 rows at the shapes we probed on a Xeon with AMX, one
 output in 10^5 or fewer: not a threshold a probe can find), so every bf16 product runs in calls of exactly
 INVARIANT_ROWS rows, zero-padded: one kernel for every row, and a row's result does not depend on its place
-in the call (tests/test_linear.py). 8 rows cost what one row costs on that CPU (the weight read dominates).
+in the call (tests/test_linear.py). The call is 16 rows where the CPU has AMX, whose tiles are 16 rows high: there
+a SmolLM2 decode step costs 2% more in 16-row than in 8-row calls and a 9-node verify 1.2 decodes instead of 1.7
+(two 8-row calls per product); elsewhere 8 rows, which already cost AVX512-BF16 kernels 2-3x one row
+(docs/results.md: "Lossless bf16 in 16-row calls").
 Where oneDNN has no bf16 kernels (an AVX2-only CPU, or a torch built without oneDNN) the row-invariant bf16
 products run in float64 instead, on a float64 copy of the weight kept like the packed one: each product of two
 bf16 numbers is exact there and a sum's blocking moves it by ~1e-16, which the rounding back to bf16 removes.
@@ -36,8 +39,8 @@ PACKED_FOR_ROWS = 16
 # gain (measured with its earlier, costlier @custom_op registration: the tiny target's adapter search was 25% slower
 # packed, docs/results.md; the adapter's 256 x 1024 MLP weight, 2^18 elements, made each call 60 us slower packed)
 PACK_MIN_ELEMENTS = (1 << 18) + 1
-# the row count of every bf16 product (module docstring)
-INVARIANT_ROWS = 8
+# the row count of every row-invariant bf16 product: an AMX tile's height where there is one (module docstring)
+INVARIANT_ROWS = 16 if torch.cpu._is_amx_tile_supported() else 8
 _ONEDNN = torch.backends.mkldnn.is_available()
 # oneDNN runs bf16 only with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2-only CPU has neither
 _ONEDNN_BF16 = _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
