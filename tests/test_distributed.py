@@ -2,13 +2,16 @@
 +experiment=smoke device=cpu` (accelerate's own `--cpu` multi-process mode needs MPI; `--multi_gpu` is its
 torchrun launcher, which works on CPUs too).
 
-Training stages run on both processes with the data sharded; corpus and rollouts are built by rank 0 alone;
-every artifact is written once, by rank 0."""
+Training stages run on both processes with the data sharded; the data stages (rollouts, states) split their
+shards between them and write the artifact one process writes; the corpus is built by rank 0 alone; every
+artifact is written once, by rank 0."""
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +42,23 @@ def test_two_processes_train_the_smoke_pipeline_writing_each_artifact_once(tmp_p
     one = json.loads((Path(one_target) / "train_summary.json").read_text())
     two = json.loads((Path(built["target"]) / "train_summary.json").read_text())
     assert two["val_loss"] < one["val_loss"] + 0.2, (two["val_loss"], one["val_loss"])
+    # the data stages: each process built its share of the shards (3 of 16 rollouts: rank 0 two, rank 1 one) ...
+    for stage in ("rollouts", "states"):
+        assert f"{stage}: process 1 of 2 builds shards 1, 3, ... (1 of its 1 missing)" in log
+        assert f"{stage}: process 0 of 2 builds shards 0, 2, ... (2 of its 2 missing)" in log
+    # ... and the artifacts are, file for file, what one process builds from the same target
+    kept = {stage: shutil.move(built[stage], tmp_path / f"{stage}.two") for stage in ("rollouts", "states")}
+    done = subprocess.run([sys.executable, "train.py", "+experiment=smoke", "device=cpu", "rollouts.store_states=true",
+                           "stages=[rollouts,states]"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for stage, two_dir in kept.items():
+        same_tree(Path(two_dir), Path(built[stage]))
+
+
+def same_tree(a: Path, b: Path) -> None:
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for name in files:
+        if name.name == "state.json":  # HF datasets' fingerprint: random per save, not content
+            continue
+        assert filecmp.cmp(a / name, b / name, shallow=False), name

@@ -22,6 +22,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from weaver.errors import WeaverError
+from weaver.data.shards import wait_for
 from weaver.io import atomic_write_json, exclusive, remove_stale_temporaries
 from weaver.train.config import register_schemas
 
@@ -63,7 +64,7 @@ class Stage:
     run: Callable[[DictConfig, Path, Path], None]  # (cfg, out_dir, work_dir); must write out_dir atomically
     needed: Callable[[DictConfig], bool] = lambda cfg: True
     unneeded: str = "pretrained model or checkpoint given"  # why a stage that is not needed is skipped
-    distributed: bool = False  # a training stage: every process of `accelerate launch` takes part
+    distributed: bool = False  # every process of `accelerate launch` takes part (training, sharded data stages)
     optional: bool = False  # when not needed it does not exist, and the keys of the stages reading it omit it
 
 
@@ -250,15 +251,16 @@ STAGES: dict[str, Stage] = {
         "target", ("corpus",), lambda cfg: [_trained_on(cfg, "model"), cfg.seed], _run_target, needed=_scratch,
         distributed=True,
     ),
-    "rollouts": Stage("rollouts", ("target",), _rollout_settings, _run_rollouts),
+    "rollouts": Stage("rollouts", ("target",), _rollout_settings, _run_rollouts, distributed=True),
     "states": Stage(
         "states", ("rollouts",), lambda cfg: [_tapped(cfg)],
         _run_states, needed=lambda cfg: cfg.rollouts.store_states, unneeded="rollouts.store_states is false",
-        optional=True,
+        optional=True, distributed=True,
     ),
     "text": Stage(
         "text", ("target",), lambda cfg: [{**_trained_on(cfg, "drafter.text"), **_read_in(cfg)}, _tapped(cfg), cfg.seed],
         _run_text, needed=_reads_text, unneeded="drafter.text.sources is empty, or drafter.path given", optional=True,
+        distributed=True,
     ),
     "drafter": Stage(
         "drafter", ("rollouts", "states", "text"), lambda cfg: [_trained_on(cfg, "drafter"), cfg.seed], _run_drafter,
@@ -293,8 +295,9 @@ def run_stages(cfg: DictConfig) -> dict[str, str]:
     """Run cfg.stages in order (with their inputs first); returns {stage: artifact folder}.
 
     Under `accelerate launch --num_processes N`, training stages run on every process (data sharded by
-    accelerate) and the others on rank 0 alone; only rank 0 writes, and every process waits for a
-    stage's artifact before the next stage."""
+    accelerate), the data stages (rollouts, states, text) split their shards over the processes
+    (`weaver.data.shards`) and the corpus is built by rank 0 alone; only rank 0 writes an artifact, and every
+    process waits for a stage's artifact before the next stage."""
     from accelerate import PartialState
 
     from weaver.artifacts import gguf_as_safetensors
@@ -354,17 +357,10 @@ def _build_once(stage: Stage, name: str, cfg: DictConfig, out_dir: Path, state) 
         start = time.perf_counter()
         if stage.distributed or state.is_main_process:
             stage.run(cfg, out_dir, work_dir)
-        _wait_for(out_dir)
+        wait_for([out_dir])  # built by rank 0 alone, or merged by it from every process's shards
         say(f"[{name}] built in {time.perf_counter() - start:.1f} s")
     if state.is_main_process:  # checkpoints and shards: done with (also when a kill came right after the artifact)
         shutil.rmtree(work_dir, ignore_errors=True)
-
-
-def _wait_for(folder: Path, poll_s: float = 1.0) -> None:
-    """The other processes wait here while rank 0 builds a stage alone: polling, not a collective, whose
-    timeout (30 min) a long rollouts stage would exceed."""
-    while not folder.exists():
-        time.sleep(poll_s)
 
 
 def _with_inputs(names: list[str]) -> list[str]:

@@ -7,7 +7,8 @@ Stored as an HF `datasets` dataset (Arrow on disk) with columns prompt_ids, resp
 rollout's row: with `samples_per_prompt: k`, at temperature > 0, each prompt's k sampled responses are
 consecutive rows).
 Generation is batched (left-padded) with our engine and written shard by shard under the stage's work
-folder, so a killed run resumes at the first missing shard.
+folder (`weaver.data.shards`: split over the processes of `accelerate launch`), so a killed run resumes at the
+missing shards.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from pathlib import Path
 import datasets
 import torch
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
 from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
 from weaver.errors import WeaverError
 from weaver.generate import generate
-from weaver.io import atomic_dir, atomic_write_json, report_resume
+from weaver.data.shards import build_shards
+from weaver.io import atomic_dir, atomic_write_json
 from weaver.models.config import check_context, is_count
 
 
@@ -65,12 +66,9 @@ def generate_rollouts(
     shards_dir = work_dir / "shards"
     n_shards = -(-len(prompts) // rollouts.shard_size)
     generator = torch.Generator().manual_seed(seed)
-    paths = [shards_dir / f"shard-{shard:05d}" for shard in range(n_shards)]
-    report_resume("rollouts", paths)
-    for shard, path in enumerate(tqdm(paths, desc="rollouts (shards)")):
-        if path.exists():  # finished by an earlier, interrupted run
-            continue
-        generator.manual_seed(seed * 100_003 + shard)  # a shard's samples do not depend on resuming
+
+    def build(shard: int, path: Path) -> None:
+        generator.manual_seed(seed * 100_003 + shard)  # a shard's samples do not depend on resuming or on its process
         first = shard * rollouts.shard_size
         shard_prompts = prompts[first : first + rollouts.shard_size]
         rows = []
@@ -83,6 +81,10 @@ def generate_rollouts(
             ]
         with atomic_dir(path) as tmp:
             datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+
+    paths = [shards_dir / f"shard-{shard:05d}" for shard in range(n_shards)]
+    if not build_shards("rollouts", paths, build):
+        return  # another process merges
     shards = [datasets.load_from_disk(str(path)) for path in paths]
     merged = datasets.concatenate_datasets(shards)
     with atomic_dir(out_dir) as tmp:

@@ -6,7 +6,8 @@ pretrained target that forward is most of a training step (SmolLM2-135M: a 16 x 
 ~5x the drafter's own step), so `rollouts.store_states: true` runs it once here and training reads the
 stored states. They are kept in bf16 (what a GPU trains in anyway), in safetensors shards of
 `rollouts.shard_size` rollouts: `shard-NNNNN.safetensors` holds `states` (tokens, taps + 1, hidden) and
-`offsets` (rows + 1,); a killed build resumes at the first missing shard.
+`offsets` (rows + 1,); the processes of `accelerate launch` share the shards (`weaver.data.shards`), and a killed
+build resumes at the missing ones.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import datasets
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from weaver.errors import WeaverError
-from weaver.io import atomic_write_json, durable_rename, report_resume, fsync_path, fsync_tree, writable_dir
+from weaver.data.shards import build_shards
+from weaver.io import atomic_write_json, durable_rename, fsync_path, fsync_tree, writable_dir
 from weaver.models.target import TargetModel
 
 STORED_DTYPE = torch.bfloat16
@@ -52,10 +53,8 @@ def build_states(target: TargetModel, rows: datasets.Dataset, tap_layers: tuple[
     n_shards = -(-len(rows) // shard_size)
     shards_dir = work_dir / "shards"
     paths = [shards_dir / f"shard-{shard:05d}.safetensors" for shard in range(n_shards)]
-    report_resume("states", paths)
-    for shard, path in enumerate(tqdm(paths, desc="states (shards)")):
-        if path.exists():  # finished by an earlier, interrupted run
-            continue
+
+    def build(shard: int, path: Path) -> None:
         seqs = _sequences(rows, shard * shard_size, shard_size)
         pieces = []
         for start in range(0, len(seqs), batch_size):
@@ -69,6 +68,9 @@ def build_states(target: TargetModel, rows: datasets.Dataset, tap_layers: tuple[
         save_file({"states": torch.cat(pieces).contiguous(), "offsets": offsets}, str(tmp))
         fsync_path(tmp)
         durable_rename(tmp, path)  # a shard is complete or absent
+
+    if not build_shards("states", paths, build):
+        return  # another process publishes the folder
     atomic_write_json(shards_dir / "meta.json", {
         "tap_layers": list(tap_layers), "shard_size": shard_size, "n_rollouts": len(rows),
         "hidden_size": target.cfg.hidden_size, "dtype": str(STORED_DTYPE).removeprefix("torch."),

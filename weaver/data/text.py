@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from weaver.data.corpus import collect_documents
+from weaver.data.shards import is_main_process
 from weaver.data.states import build_states
 from weaver.errors import WeaverError
 from weaver.io import atomic_dir, durable_rename
@@ -60,6 +61,8 @@ def build_text(target: TargetModel, tokenizer, text: DictConfig, tap_layers: tup
     states_dir = work_dir / "states"
     if not states_dir.exists():  # finished by an earlier, interrupted run
         build_states(target, rows, tap_layers, shard_size, batch_size, states_dir, work_dir / "states.work")
+    if not is_main_process():  # its share of the states is written; the main process publishes
+        return
     with atomic_dir(out_dir) as tmp:
         rows.save_to_disk(str(tmp / "dataset"))
         durable_rename(states_dir, tmp / "states")
