@@ -1,4 +1,4 @@
-"""bf16 targets on a CPU are lossless token for token: a tree's logits in a verify pass are bitwise the logits of
+"""bf16 targets on a CPU, attention-only and hybrid GDN, are lossless token for token: a tree's logits in a verify pass are bitwise the logits of
 decoding each node's path one token at a time, eager and compiled, so greedy speculation reproduces bf16 AR
 decoding exactly (`weaver.models.layers.exact_math`: the math between matmuls in float64;
 `weaver.models.linear.INVARIANT_ROWS`: matmuls in fixed-size row calls). bf16 logits tie often, so a
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from hf_tiny import VOCAB
+from hf_tiny import VOCAB, save_tiny_hf_model
 from test_tree_verify import random_tree
 from weaver.engine import speculative_generate
 from weaver.generate import generate
@@ -42,6 +42,16 @@ def bf16_target(tmp_path_factory):
     return load_target(str(folder), torch.bfloat16)
 
 
+@pytest.fixture(scope="module")
+def bf16_hybrid(tmp_path_factory):
+    """A hybrid target (Qwen3.5: Gated DeltaNet layers, whose verify pass solves the tree's system where decoding
+    runs the recurrence, and a gated attention layer), in bf16."""
+    folder = tmp_path_factory.mktemp("qwen3_5")
+    torch.manual_seed(0)
+    save_tiny_hf_model("qwen3_5_text", folder)
+    return load_target(str(folder), torch.bfloat16)
+
+
 def decode_path(target, context: torch.Tensor, tokens: torch.Tensor, compiled: bool = False) -> torch.Tensor:
     """Logits after each of `tokens`, decoded one at a time after `context`'s prefill."""
     step = target.decode_fn(compiled)
@@ -57,6 +67,14 @@ def test_tree_logits_are_bitwise_the_decoded_path_logits(bf16_target, T, shape, 
     """Also with `eval.prepack` off: the target's bf16 products take the row-invariant path regardless."""
     with prepacked_weights(prepack):
         check_tree_against_decoding(bf16_target, T, shape)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("T,shape", [(5, "chain"), (17, "random"), (40, "random")])
+def test_hybrid_tree_logits_are_bitwise_the_decoded_path_logits(bf16_hybrid, T, shape):
+    """GDN layers too: conv, gates, the recurrence and the tree's solve in float64, with float64 conv and GDN states,
+    so the parallel form and the recurrence round to the same bf16 outputs."""
+    check_tree_against_decoding(bf16_hybrid, T, shape)
 
 
 def check_tree_against_decoding(bf16_target, T: int, shape: str) -> None:
@@ -87,7 +105,10 @@ def test_compiled_decode_and_verify_are_bitwise_eager_decoding(bf16_target):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 48)])
-def test_greedy_speculation_in_bf16_equals_bf16_autoregressive_decoding(bf16_target, method, budget):
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_greedy_speculation_in_bf16_equals_bf16_autoregressive_decoding(request, kind, method, budget):
+    """Compiled too for the hybrid target (its decode and verify graphs)."""
+    bf16_target = request.getfixturevalue("bf16_target" if kind == "attention" else "bf16_hybrid")
     torch.manual_seed(1)
     cfg = new_drafter_config(bf16_target, num_layers=1, block_size=16, mask_token_id=VOCAB - 1, num_taps=2)
     drafter = Drafter(drafter_config(cfg)).eval().to(torch.bfloat16)
@@ -95,7 +116,8 @@ def test_greedy_speculation_in_bf16_equals_bf16_autoregressive_decoding(bf16_tar
     for n in (3, 40):
         prompt = torch.randint(3, VOCAB, (n,), generator=gen).tolist()
         reference = generate(bf16_target, [prompt], 40)[0]
-        out, _ = speculative_generate(bf16_target, drafter, prompt, 40, temperature=0, method=method, budget=budget)
+        out, _ = speculative_generate(bf16_target, drafter, prompt, 40, temperature=0, method=method, budget=budget,
+                                      compiled=kind == "hybrid")
         assert out == reference, f"prompt of {n} tokens"
 
 
@@ -110,3 +132,12 @@ def test_the_cache_keeps_keys_and_values_in_float64_when_exact(bf16_target):
         assert bf16_target(ids, exact_cache).logits.isfinite().all()
     assert (exact_cache.keys[0].dtype, fast_cache.keys[0].dtype) == (torch.float64, torch.bfloat16)
     assert torch.equal(bf16_target(ids, bf16_target.new_cache(1, 8)).logits, bf16_target(ids).logits)
+
+
+@torch.inference_mode()
+def test_the_cache_keeps_conv_and_gdn_states_in_float64_when_exact(bf16_hybrid):
+    exact_cache = bf16_hybrid.new_cache(1, 8)
+    with exact_bf16(False):
+        fast_cache = bf16_hybrid.new_cache(1, 8)
+    assert (exact_cache.conv[0].dtype, exact_cache.recurrent[0].dtype) == (torch.float64, torch.float64)
+    assert (fast_cache.conv[0].dtype, fast_cache.recurrent[0].dtype) == (torch.bfloat16, torch.float32)

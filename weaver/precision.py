@@ -44,10 +44,9 @@ def training_precision(setting: str, device: torch.device) -> str:
 def inference_dtype(setting: str, device: torch.device) -> torch.dtype:
     """Weights' dtype for decoding and rollouts: `auto` is bf16 on a GPU and fp32 on a CPU.
 
-    fp32 on a CPU, where every result of this repository was measured. `bfloat16` is lossless there too for
-    attention-only targets (`weaver.models.layers.exact_math`; hybrid GDN layers verify by another algorithm than
-    they decode, so not in bf16) and decodes SmolLM2 1.5-1.8x faster where bf16 is native (README: "Precision
-    follows the hardware")."""
+    fp32 on a CPU, where every result of this repository was measured. `bfloat16` is lossless there too
+    (`weaver.models.layers.exact_math`), attention-only and hybrid GDN targets alike, and decodes SmolLM2 1.4x faster
+    where bf16 is native (README: "Precision follows the hardware")."""
     if setting not in DTYPES:
         raise WeaverError(f"model.dtype must be one of {', '.join(DTYPES)}, not '{setting}'")
     if setting != "auto":

@@ -29,10 +29,11 @@ class ModelCache:
     @classmethod
     def empty(
         cls, cfg: TargetConfig, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
-        kv_dtype: torch.dtype | None = None,
+        cache_dtype: torch.dtype | None = None,
     ) -> "ModelCache":
-        """Empty buffers for `max_len` slots; attention keys and values in `kv_dtype` (default `dtype`)."""
-        kv_dtype = kv_dtype or dtype
+        """Empty buffers for `max_len` slots: every buffer in `cache_dtype` if given (float64 for an exact bf16
+        target, `TargetModel.new_cache`), else keys, values and conv windows in `dtype` and GDN states in fp32."""
+        kv_dtype = cache_dtype or dtype
         keys, values, conv, recurrent = [], [], [], []
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         for kind in cfg.layer_types:
@@ -40,13 +41,13 @@ class ModelCache:
             kv_shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
             keys.append(torch.zeros(kv_shape, dtype=kv_dtype, device=device) if attn else None)
             values.append(torch.zeros(kv_shape, dtype=kv_dtype, device=device) if attn else None)
-            conv.append(None if attn else torch.zeros(batch_size, conv_dim, cfg.linear_conv_kernel - 1, dtype=dtype, device=device))
+            conv.append(None if attn else torch.zeros(batch_size, conv_dim, cfg.linear_conv_kernel - 1, dtype=kv_dtype, device=device))
             recurrent.append(
                 None
                 if attn
                 else torch.zeros(
                     batch_size, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                    dtype=torch.float32, device=device,
+                    dtype=cache_dtype or torch.float32, device=device,
                 )
             )
         return cls(

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from weaver.kernels.dispatch import use_triton
-from weaver.kernels.gdn_tree.reference import l2norm, normalized_heads, solve_unit_lower
+from weaver.kernels.gdn_tree.reference import compute_dtype, l2norm, normalized_heads, solve_unit_lower
 
 
 def recurrent_gated_delta_rule(
@@ -32,8 +32,8 @@ def recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token recurrence (decode path and reference). Returns (o (B, T, HV, d_v), final state)."""
     q, k, v = normalized_heads(q, k, v, scale)
-    g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # (B, HV, T)
-    S = state.float()
+    g, beta = g.to(v.dtype).transpose(1, 2), beta.to(v.dtype).transpose(1, 2)  # (B, HV, T)
+    S = state.to(v.dtype)
     outs = []
     for t in range(q.shape[2]):
         S = S * g[:, :, t, None, None].exp()
@@ -48,14 +48,14 @@ def gated_delta_step_(
 ) -> torch.Tensor:
     """One decode step (T = 1), updating `state` in place; same maths as the recurrence, fewest ops."""
     B, _, H, dk = k.shape
-    HV = v.shape[2]
-    q = l2norm(q.float()).view(B, H, 1, 1, dk) * dk**-0.5
-    k = l2norm(k.float()).view(B, H, 1, 1, dk)
+    HV, c = v.shape[2], state.dtype  # fp32, or float64 for an exact bf16 target
+    q = l2norm(q.to(c)).view(B, H, 1, 1, dk) * dk**-0.5
+    k = l2norm(k.to(c)).view(B, H, 1, 1, dk)
     if HV != H:  # grouped value heads: each q/k head serves HV // H consecutive value heads
         q, k = q.expand(B, H, HV // H, 1, dk), k.expand(B, H, HV // H, 1, dk)
     q, k = q.reshape(B, HV, 1, dk), k.reshape(B, HV, 1, dk)
-    state.mul_(g.float().view(B, HV, 1, 1).exp())
-    delta = (v.float().view(B, HV, 1, -1) - k @ state) * beta.float().view(B, HV, 1, 1)
+    state.mul_(g.to(c).view(B, HV, 1, 1).exp())
+    delta = (v.to(c).view(B, HV, 1, -1) - k @ state) * beta.to(c).view(B, HV, 1, 1)
     state.add_(k.transpose(-1, -2) @ delta)
     return (q @ state).view(B, 1, HV, -1)
 
@@ -65,7 +65,8 @@ def chunk_gated_delta_rule(
     state: torch.Tensor | None = None, chunk_size: int = 64, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill and training: fla's chunk kernel for CUDA tensors (unless WEAVER_KERNELS=torch; fla picks its
-    own chunk), else `torch_chunk_gated_delta_rule`. Returns (o (B, T, HV, d_v), final state), fp32."""
+    own chunk), else `torch_chunk_gated_delta_rule`. Returns (o (B, T, HV, d_v), final state), fp32 (float64 for
+    float64 inputs on the torch path)."""
     fla_chunk = _fla_chunk_kernel(v)
     if fla_chunk is None:
         return torch_chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size, scale)
@@ -106,11 +107,12 @@ def torch_chunk_gated_delta_rule(
     state: torch.Tensor | None = None, chunk_size: int = 64, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk-parallel form of the recurrence in torch (differentiable; the CPU path and the reference).
-    Returns (o (B, T, HV, d_v), final state (B, HV, d_k, d_v)), fp32."""
+    Returns (o (B, T, HV, d_v), final state (B, HV, d_k, d_v)), fp32 (float64 for float64 inputs: an exact bf16
+    target, `weaver.models.layers.exact_math`)."""
     B, T, H, dk = k.shape
     HV, dv = v.shape[2], v.shape[3]
     q, k, v = normalized_heads(q, k, v, scale)
-    g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)
+    g, beta = g.to(v.dtype).transpose(1, 2), beta.to(v.dtype).transpose(1, 2)
     pad = (-T) % chunk_size
     if pad:  # padded steps have k = v = 0 and g = 0: they leave the state untouched
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -131,7 +133,7 @@ def torch_chunk_gated_delta_rule(
     k_to_end = k * (G[..., -1:] - G).exp()[..., None]
     chunk_decay = G[..., -1].exp()[..., None, None]
 
-    S = torch.zeros(B, HV, dk, dv, dtype=q.dtype, device=q.device) if state is None else state.float()
+    S = torch.zeros(B, HV, dk, dv, dtype=q.dtype, device=q.device) if state is None else state.to(q.dtype)
     outs = []
     for i in range(n):
         U = W1[:, :, i] - W2[:, :, i] @ S

@@ -98,10 +98,10 @@ class Attention(nn.Module):
     def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         B, _, T, _ = o.shape
         o = o.transpose(1, 2).reshape(B, T, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.to(o.dtype))
         if o.dtype == torch.float64:  # `exact_math` attention: rounded back to the (bf16) weights' dtype once
             o = o.to(self.o.weight.dtype)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
         return self.o(o)
 
     def commit(self, cache: ModelCache, pending: Pending, path: torch.Tensor) -> None:
@@ -148,7 +148,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step, cache: ModelCache | None) -> torch.Tensor:
         T = x.shape[1]
-        mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
+        mixed, z, b, a = exact_inputs(*self.in_proj(x).split(self.splits, dim=-1))  # float64 under `exact_math`
         if step.token_mask is not None:  # left padding contributes nothing to conv or state
             mixed = mixed * step.token_mask[..., None].to(mixed.dtype)
         mixed, conv_buffer = self.conv(mixed, cache.conv[self.layer] if cache is not None else None)
@@ -168,7 +168,7 @@ class GatedDeltaNet(nn.Module):
     def forward_tree(self, x: torch.Tensor, step: Step, cache: ModelCache) -> torch.Tensor:
         """Verify: every node continues its own path from the committed conv and GDN states, which are only
         read; what `commit` needs is left in `step.pending`. The tree kernels compute the gates themselves."""
-        mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
+        mixed, z, b, a = exact_inputs(*self.in_proj(x).split(self.splits, dim=-1))
         mixed, conv_pending = tree_conv1d(mixed, self.conv_weight, cache.conv[self.layer], step.tree,
                                           conv_index=step.conv_index)
         q, k, v = self.heads(mixed)
@@ -186,9 +186,9 @@ class GatedDeltaNet(nn.Module):
                 v.reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim))
 
     def output(self, o: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Gated RMSNorm (fp32) and the output projection, back in x's dtype."""
+        """Gated RMSNorm (fp32, float64 under `exact_math`) and the output projection, back in x's dtype."""
         B, T, _ = x.shape
-        o = rms_norm(o, self.norm_weight, self.cfg.rms_norm_eps) * F.silu(z.view_as(o).float())
+        o = rms_norm(o, self.norm_weight, self.cfg.rms_norm_eps) * F.silu(z.view_as(o).to(o.dtype))
         return self.out_proj(o.to(x.dtype).reshape(B, T, self.value_dim))
 
     def commit(self, cache: ModelCache, pending: Pending, path: torch.Tensor) -> None:
@@ -245,11 +245,12 @@ class TargetModel(nn.Module):
         return self._compiled_forward[mode]
 
     def new_cache(self, batch_size: int, max_len: int) -> ModelCache:
-        """Keys and values in float64 under `exact_math` (the attention reads them in float64 anyway; stored so, they
-        are converted once, when written, not at every step: ~7% of a SmolLM2 bf16 decode), else in the weights' dtype."""
+        """Keys, values, conv windows and GDN states in float64 under `exact_math` (the layers read them in float64
+        anyway; stored so, keys and values are converted once, when written, not at every step: ~7% of a SmolLM2 bf16
+        decode), else in the weights' dtype (GDN states in fp32)."""
         p = self.embed.weight
         return ModelCache.empty(self.cfg, batch_size, max_len, p.dtype, p.device,
-                                kv_dtype=torch.float64 if exact_math(p) else p.dtype)
+                                cache_dtype=torch.float64 if exact_math(p) else None)
 
     def forward(self, input_ids: torch.Tensor, cache: ModelCache | None = None, *,
                 attention_mask: torch.Tensor | None = None, tap_layers: tuple[int, ...] = (),

@@ -22,23 +22,32 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the GDN maths runs in: float64 for float64 inputs (a bf16 target made exact on a CPU computes between
+    its matmuls in float64), else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b), in fp32."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return g, b.float().sigmoid()
+    """Log-decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b), in fp32 (float64 for
+    float64 inputs)."""
+    c = compute_dtype(a)
+    g = -A_log.to(c).exp() * F.softplus(a.to(c) + dt_bias.to(c))
+    return g, b.to(c).sigmoid()
 
 
 def normalized_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normalise q/k, then scale q (default 1/sqrt(d_k)); expand grouped heads to HV; layout (B, HV, T, d), fp32."""
-    groups = v.shape[2] // k.shape[2]
-    q = l2norm(q.float()) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    k = l2norm(k.float())
+    """Normalise q/k, then scale q (default 1/sqrt(d_k)); expand grouped heads to HV; layout (B, HV, T, d), fp32
+    (float64 for float64 inputs)."""
+    groups, c = v.shape[2] // k.shape[2], compute_dtype(v)
+    q = l2norm(q.to(c)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    k = l2norm(k.to(c))
     if groups > 1:
         q = q.repeat_interleave(groups, dim=2)
         k = k.repeat_interleave(groups, dim=2)
-    return q.transpose(1, 2), k.transpose(1, 2), v.float().transpose(1, 2)
+    return q.transpose(1, 2), k.transpose(1, 2), v.to(c).transpose(1, 2)
 
 
 def solve_unit_lower(X: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
@@ -76,8 +85,8 @@ def tree_gated_delta_rule(
     q is scaled by `scale` (default 1/sqrt(d_k)) after its L2 norm.
     """
     q, k, v = normalized_heads(q, k, v, scale)  # (B, HV, T, d)
-    g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # (B, HV, T)
-    S0 = state.float()
+    g, beta = g.to(q.dtype).transpose(1, 2), beta.to(q.dtype).transpose(1, 2)  # (B, HV, T)
+    S0 = state.to(q.dtype)
     A = ancestors.to(q.dtype)
     G = g @ A.T
     D = (G[..., :, None] - G[..., None, :]).masked_fill(~ancestors, float("-inf")).exp()
@@ -96,7 +105,7 @@ def commit_path(state: torch.Tensor, pending: PendingGDN, leaf: int) -> torch.Te
     """
     G_leaf = pending.G[..., leaf : leaf + 1]  # (B, HV, 1)
     weights = torch.where(pending.ancestors[leaf], (G_leaf - pending.G).exp(), 0.0)  # (B, HV, T)
-    return state.float() * G_leaf[..., None].exp() + (pending.k * weights[..., None]).transpose(-1, -2) @ pending.U
+    return state.to(pending.U.dtype) * G_leaf[..., None].exp() + (pending.k * weights[..., None]).transpose(-1, -2) @ pending.U
 
 
 def gdn_tree_verify_ref(
