@@ -20,9 +20,9 @@ import torch
 from omegaconf import DictConfig
 
 from weaver.data.prompts import encode_prompts, load_prompt_set, template_kwargs
+from weaver.data.shards import build_shards
 from weaver.errors import WeaverError
 from weaver.generate import generate
-from weaver.data.shards import build_shards
 from weaver.io import atomic_dir, atomic_write_json
 from weaver.models.config import check_context, is_count
 

@@ -20,8 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from weaver.errors import WeaverError
 from weaver.data.shards import build_shards
+from weaver.errors import WeaverError
 from weaver.io import atomic_write_json, durable_rename, fsync_path, fsync_tree, writable_dir
 from weaver.models.target import TargetModel
 

@@ -33,15 +33,15 @@ class ModelCache:
     ) -> "ModelCache":
         """Empty buffers for `max_len` slots: every buffer in `cache_dtype` if given (float64 for an exact bf16
         target, `TargetModel.new_cache`), else keys, values and conv windows in `dtype` and GDN states in fp32."""
-        kv_dtype = cache_dtype or dtype
+        buffer_dtype = cache_dtype or dtype
         keys, values, conv, recurrent = [], [], [], []
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         for kind in cfg.layer_types:
             attn = kind == "full_attention"
             kv_shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-            keys.append(torch.zeros(kv_shape, dtype=kv_dtype, device=device) if attn else None)
-            values.append(torch.zeros(kv_shape, dtype=kv_dtype, device=device) if attn else None)
-            conv.append(None if attn else torch.zeros(batch_size, conv_dim, cfg.linear_conv_kernel - 1, dtype=kv_dtype, device=device))
+            keys.append(torch.zeros(kv_shape, dtype=buffer_dtype, device=device) if attn else None)
+            values.append(torch.zeros(kv_shape, dtype=buffer_dtype, device=device) if attn else None)
+            conv.append(None if attn else torch.zeros(batch_size, conv_dim, cfg.linear_conv_kernel - 1, dtype=buffer_dtype, device=device))
             recurrent.append(
                 None
                 if attn
