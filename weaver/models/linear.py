@@ -36,8 +36,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 # the row count oneDNN lays the copy out for: 16 reads as fast as 1 at one row, and 1.6x faster at 5-17 rows
 PACKED_FOR_ROWS = 16
 # Smaller weights stay with F.linear: they are read quickly anyway, and the packed op's Python kernel outweighs the
-# gain (measured with its earlier, costlier @custom_op registration: the tiny target's adapter search was 25% slower
-# packed, docs/results.md; the adapter's 256 x 1024 MLP weight, 2^18 elements, made each call 60 us slower packed)
+# gain (with the plain op registration too: packing every weight made the tiny target's compiled AR 0.71x and its
+# DDTree@8 / Weaver@8 0.79x / 0.75x, and changed nothing for SmolLM2, whose small weights are the adapter's;
+# docs/results.md: "Prepacked weights")
 PACK_MIN_ELEMENTS = (1 << 18) + 1
 # the row count of every row-invariant bf16 product: an AMX tile's height where there is one (module docstring)
 INVARIANT_ROWS = 16 if torch.cpu._is_amx_tile_supported() else 8
