@@ -16,14 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import ROOT, run_script
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
 def test_two_processes_train_the_smoke_pipeline_writing_each_artifact_once(tmp_path, smoke_outputs):
     env = {**os.environ, "WEAVER_OUTPUTS": str(tmp_path), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    done = subprocess.run([*launch, "train.py", "+experiment=smoke", "device=cpu", "rollouts.store_states=true"],
+    done = subprocess.run([*LAUNCH, "train.py", "+experiment=smoke", "device=cpu", "rollouts.store_states=true"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     built = json.loads((tmp_path / "smoke" / "artifacts.json").read_text())
@@ -53,6 +54,26 @@ def test_two_processes_train_the_smoke_pipeline_writing_each_artifact_once(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     for stage, two_dir in kept.items():
         same_tree(Path(two_dir), Path(built[stage]))
+
+
+def test_a_two_process_build_killed_after_a_shard_resumes_in_one_process(tmp_path, smoke_outputs):
+    """Process 1 SIGKILLed right after writing states shard 1 (the launcher then stops process 0); a one-process
+    rerun keeps the shards written and ends with the states an uninterrupted one-process build writes."""
+    overrides = ("+experiment=smoke", "device=cpu", "stages=[states]", "rollouts.store_states=true")
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    for out in (killed, whole):
+        shutil.copytree(smoke_outputs / "artifacts", out / "artifacts")
+    env = {**os.environ, "WEAVER_OUTPUTS": str(killed), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    kill = ["tests/kill_at.py", "after", "weaver.data.states.durable_rename", "*shard-00001.safetensors", "train.py"]
+    done = subprocess.run([*LAUNCH, *kill, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode != 0 and "SIGKILL" in done.stderr, done.stderr[-3000:]
+    assert list((killed / "artifacts").glob("states-*.work/shards/shard-00001.safetensors"))
+    resumed = run_script("train.py", killed, *overrides, OMP_NUM_THREADS="1")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "states: resuming," in resumed.stdout
+    assert run_script("train.py", whole, *overrides, OMP_NUM_THREADS="1").returncode == 0
+    [states], [reference] = ((out / "artifacts").glob("states-*[!k]") for out in (killed, whole))
+    same_tree(states, reference)
 
 
 def same_tree(a: Path, b: Path) -> None:
