@@ -56,21 +56,25 @@ def test_two_processes_train_the_smoke_pipeline_writing_each_artifact_once(tmp_p
         same_tree(Path(two_dir), Path(built[stage]))
 
 
-def test_a_two_process_build_killed_after_a_shard_resumes_in_one_process(tmp_path, smoke_outputs):
-    """Process 1 SIGKILLed right after writing states shard 1 (the launcher then stops process 0); a one-process
-    rerun keeps the shards written and ends with the states an uninterrupted one-process build writes."""
-    overrides = ("+experiment=smoke", "device=cpu", "stages=[states]", "rollouts.store_states=true")
+def test_a_two_process_build_killed_mid_stage_resumes_in_one_process(tmp_path, smoke_outputs):
+    """Six states shards; process 1 (shards 1, 3, 5) SIGKILLed right before publishing its last, so process 0 can never
+    merge (the launcher then stops it); a one-process rerun keeps the shards written and ends with the states an
+    uninterrupted one-process build writes."""
+    overrides = ("+experiment=smoke", "device=cpu", "stages=[states]", "rollouts.store_states=true", "rollouts.shard_size=8")
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     for out in (killed, whole):
         shutil.copytree(smoke_outputs / "artifacts", out / "artifacts")
     env = {**os.environ, "WEAVER_OUTPUTS": str(killed), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    kill = ["tests/kill_at.py", "after", "weaver.data.states.durable_rename", "*shard-00001.safetensors", "train.py"]
+    kill = ["tests/kill_at.py", "before", "weaver.data.states.durable_rename", "*shard-00005.safetensors", "train.py"]
     done = subprocess.run([*LAUNCH, *kill, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode != 0 and "SIGKILL" in done.stderr, done.stderr[-3000:]
-    assert list((killed / "artifacts").glob("states-*.work/shards/shard-00001.safetensors"))
+    [work] = (killed / "artifacts").glob("states-*.work")
+    written = sorted(p.name for p in (work / "shards").glob("shard-*.safetensors"))
+    assert {"shard-00001.safetensors", "shard-00003.safetensors"} <= set(written), written
+    assert "shard-00005.safetensors" not in written and not list((killed / "artifacts").glob("states-*[!k]"))
     resumed = run_script("train.py", killed, *overrides, OMP_NUM_THREADS="1")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "states: resuming," in resumed.stdout
+    assert f"states: resuming, {len(written)} of 6 shards already done" in resumed.stdout
     assert run_script("train.py", whole, *overrides, OMP_NUM_THREADS="1").returncode == 0
     [states], [reference] = ((out / "artifacts").glob("states-*[!k]") for out in (killed, whole))
     same_tree(states, reference)

@@ -35,18 +35,19 @@ def build_shards(stage: str, paths: list[Path], build: Callable[[int, Path], Non
 
     state = PartialState()
     rank, world = state.process_index, state.num_processes
-    mine = paths[rank::world]
+    mine = range(rank, len(paths), world)
     if state.is_main_process:
         report_resume(stage, paths)
     if world > 1:
         print(f"{stage}: process {rank} of {world} builds shards {rank}, {rank + world}, ... "
-              f"({sum(not p.exists() for p in mine)} of its {len(mine)} missing)", flush=True)
-    for path in tqdm(mine, desc=f"{stage} (shards)", disable=not state.is_local_main_process):
+              f"({sum(not paths[i].exists() for i in mine)} of its {len(mine)} missing)", flush=True)
+    for index in tqdm(mine, desc=f"{stage} (shards)", disable=not state.is_local_main_process):
+        path = paths[index]
         if path.exists():  # finished by an earlier, interrupted run
             continue
         with exclusive(path.parent.parent / "locks" / f"{path.name}.lock", on_wait=lambda why: print(f"{stage}: {why}")):
             if not path.exists():  # or by another job while this one waited for the lock
-                build(paths.index(path), path)
+                build(index, path)
     if not state.is_main_process:
         return False
     wait_for(paths, poll_s)

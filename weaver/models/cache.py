@@ -19,8 +19,8 @@ from weaver.models.config import TargetConfig
 class ModelCache:
     keys: list[torch.Tensor | None]  # per layer (B, H_kv, max_len, D) for attention layers (float64 for exact bf16)
     values: list[torch.Tensor | None]
-    conv: list[torch.Tensor | None]  # per layer (B, conv_dim, kernel - 1) for GDN layers
-    recurrent: list[torch.Tensor | None]  # per layer (B, HV, d_k, d_v) for GDN layers, fp32
+    conv: list[torch.Tensor | None]  # per layer (B, conv_dim, kernel - 1) for GDN layers (float64 for exact bf16)
+    recurrent: list[torch.Tensor | None]  # per layer (B, HV, d_k, d_v) for GDN layers, fp32 (float64 for exact bf16)
     valid: torch.Tensor  # (B, max_len) bool: slot holds a real token
     next_position: torch.Tensor  # (B,) position id of each row's next token
     length: int = 0  # slots used so far, shared by all rows

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from weaver.kernels.dispatch import use_triton
-from weaver.kernels.gdn_tree.reference import compute_dtype, l2norm, normalized_heads, solve_unit_lower
+from weaver.kernels.gdn_tree.reference import l2norm, normalized_heads, solve_unit_lower
 
 
 def recurrent_gated_delta_rule(

@@ -36,8 +36,8 @@ class RMSNorm(nn.Module):
 
 def exact_math(x: torch.Tensor) -> bool:
     """Inference in bf16 on a CPU: the math between matmuls (norms, activations, attention, a GDN layer's conv and
-    recurrence or tree solve) then runs in float64 and is rounded back once. A verify pass reads a tree's tokens together, decoding reads them one
-    at a time, and eager and compiled code order sums and evaluate exp differently; in float64 those
+    recurrence or tree solve) then runs in float64 and is rounded back once. A verify pass reads a tree's tokens
+    together, decoding reads them one at a time, and eager and compiled code order sums and evaluate exp differently; in float64 those
     differences (~1e-16) vanish in the rounding to bf16 (unless a value lies within them of a rounding
     boundary), so with row-invariant matmuls (`weaver.models.linear.INVARIANT_ROWS`) each position's logits
     are bitwise the same however the tokens are read, and greedy speculation in bf16 is lossless. float32
@@ -53,8 +53,8 @@ def exact_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * scale in fp32 (float64 under `exact_math` or for float64 x), cast back. Written out: torch's CPU rms_norm is a
-    slower composite, and skipping no-op casts matters in the batch-1 decode loop, which is dispatch-bound."""
+    """x / rms(x) * scale in fp32 (float64 under `exact_math` or for float64 x), cast back. Written out: torch's CPU
+    rms_norm is a slower composite, and skipping no-op casts matters in the batch-1 decode loop, which is dispatch-bound."""
     h = x.double() if exact_math(x) else x if x.dtype in (torch.float32, torch.float64) else x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (scale if scale.dtype == h.dtype else scale.to(h.dtype))
     return h if h.dtype == x.dtype else h.to(x.dtype)
