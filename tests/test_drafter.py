@@ -487,21 +487,27 @@ def test_distillation_loss_over_a_draft_vocabulary(target, read):
     assert logs["tau_chain"] == pytest.approx(sum(chains) / len(chains))
 
 
+def smoke_config(outputs, *overrides):
+    from hydra import compose, initialize_config_dir
+
+    from weaver.pipeline import ROOT_CONF
+
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        return compose("train", overrides=["+experiment=smoke", f"paths.root={outputs}", "wandb.enabled=false", *overrides])
+
+
 def test_heldout_rollouts_are_not_trained_on_and_report_top1_and_chain_length(smoke_outputs, tmp_path, monkeypatch):
     """drafter.train.heldout_rollouts=8: training sees the other 40 of the smoke run's 48 rollouts, and the summary
     carries top-1 and the greedy chain's acceptance length on the 8 held out; a count the rollouts cannot hold
     is refused before training."""
     import datasets
-    from hydra import compose, initialize_config_dir
 
     import weaver.train.drafter as drafter_stage
     from weaver.artifacts import load_target_and_tokenizer
-    from weaver.pipeline import ROOT_CONF, artifact_dir
+    from weaver.pipeline import artifact_dir
 
     def config(*overrides):
-        with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
-            return compose("train", overrides=["+experiment=smoke", f"paths.root={smoke_outputs}", "wandb.enabled=false",
-                                               "drafter.train.steps=6", "drafter.train.eval_every=3", *overrides])
+        return smoke_config(smoke_outputs, "drafter.train.steps=6", "drafter.train.eval_every=3", *overrides)
 
     seen = []  # (training?, the batch's sequences)
     real_loss = drafter_stage.distillation_loss
@@ -523,6 +529,54 @@ def test_heldout_rollouts_are_not_trained_on_and_report_top1_and_chain_length(sm
     with pytest.raises(WeaverError, match="drafter.train.heldout_rollouts must be a whole number from 0 to 47"):
         drafter_stage.train_drafter(config("drafter.train.heldout_rollouts=48"), target, tokenizer,
                                     artifact_dir(cfg, "rollouts"), tmp_path / "b", tmp_path / "b.work")
+
+
+def test_init_from_a_checkpoint_fine_tunes_it(smoke_outputs, tmp_path):
+    """drafter.train.init=<a drafter checkpoint> trains from its weights and keeps its draft vocabulary and rotary
+    base: at lr 0 the trained drafter is the checkpoint, tensor for tensor (a fresh start would not be), and it
+    records the tokenizer a z-lab-style checkpoint did not; the pipeline's key follows the weights file; a
+    checkpoint that is not the drafter the config describes is refused, naming what differs."""
+    import os
+
+    from weaver.artifacts import load_target_and_tokenizer
+    from weaver.models.checkpoint import load_hf_config, tokenizer_fingerprint
+    from weaver.models.layers import init_weights
+    from weaver.pipeline import artifact_dir, stage_key
+    from weaver.train.drafter import train_drafter
+
+    base = smoke_config(smoke_outputs)
+    target, tokenizer = load_target_and_tokenizer(base)
+    mask = tokenizer.convert_tokens_to_ids(base.drafter.mask_token)
+    hf = new_drafter_config(target, base.drafter.num_layers, base.drafter.block_size, mask, base.drafter.num_taps,
+                            rope_theta=5000.0, draft_vocab_size=100)  # no tokenizer fingerprint, as z-lab's
+    start = Drafter(drafter_config(hf))
+    init_weights(start, 0.5)
+    start.draft_vocab.copy_(torch.arange(100) * 3)  # not the frequent tokens a fresh drafter counts
+    save_drafter(start, hf, tmp_path / "start")
+
+    cfg = smoke_config(smoke_outputs, "drafter.draft_vocab=100", f"drafter.train.init={tmp_path / 'start'}",
+                       "drafter.train.lr=0", "drafter.train.steps=2")
+    train_drafter(cfg, target, tokenizer, artifact_dir(cfg, "rollouts"), tmp_path / "tuned", tmp_path / "tuned.work")
+    tuned = load_drafter(str(tmp_path / "tuned"), target, tokenizer=tokenizer)
+    for name, tensor in start.state_dict().items():
+        assert torch.equal(tuned.state_dict()[name], tensor), name
+    saved = load_hf_config(tmp_path / "tuned")
+    assert saved.tokenizer_sha256 == tokenizer_fingerprint(tokenizer) and saved.rope_parameters["rope_theta"] == 5000.0
+
+    key = stage_key(cfg, "drafter")
+    assert key != stage_key(smoke_config(smoke_outputs, "drafter.draft_vocab=100"), "drafter")
+    weights = tmp_path / "start" / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert stage_key(cfg, "drafter") != key  # new weights under the same path: a new drafter
+
+    for override, message in [("drafter.block_size=6", "block_size 8 \\(the config: 6\\)"),
+                              ("drafter.draft_vocab=null", "draft_vocab 100 \\(the config: None\\)")]:
+        bad = smoke_config(smoke_outputs, f"drafter.train.init={tmp_path / 'start'}", override, "drafter.draft_vocab=100"
+                           if "vocab" not in override else override)
+        with pytest.raises(WeaverError, match=f"is not the drafter the config describes: it has {message}"):
+            train_drafter(bad, target, tokenizer, artifact_dir(bad, "rollouts"), tmp_path / "bad", tmp_path / "bad.work")
+    with pytest.raises(WeaverError, match="checkpoint folder not found"):
+        stage_key(smoke_config(smoke_outputs, f"drafter.train.init={tmp_path / 'missing'}"), "drafter")
 
 
 def deep_target(model_type: str, folder) -> TargetModel:

@@ -52,6 +52,18 @@ def test_rerun_reuses_artifacts(smoke):
         assert f"[{stage}] up to date" in again.stdout
 
 
+def test_a_run_of_some_stages_keeps_the_others_in_the_record(smoke, tmp_path):
+    """`stages=[rollouts]` after a full run: artifacts.json (what `artifact_of` reads) still lists every stage's
+    artifact of this config, the drafter and adapter among them, not only the stage run."""
+    shutil.copytree(smoke / "artifacts", tmp_path / "artifacts")
+    done = run("train.py", tmp_path, "+experiment=smoke", "stages=[rollouts]")
+    assert done.returncode == 0, done.stderr[-3000:]
+    full = json.loads((smoke / "smoke" / "artifacts.json").read_text())
+    record = json.loads((tmp_path / "smoke" / "artifacts.json").read_text())
+    assert {"drafter", "weaver"} <= set(full)
+    assert {k: Path(v).name for k, v in record.items()} == {k: Path(v).name for k, v in full.items()}
+
+
 def test_rollouts_dtype_makes_new_data_in_that_dtype(smoke, tmp_path):
     """`rollouts.dtype` loads the target for the data stages in that dtype; bf16 rollouts are other data (a new key)."""
     shutil.copytree(smoke / "artifacts", tmp_path / "artifacts")  # the trained corpus and target, reused

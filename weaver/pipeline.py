@@ -223,6 +223,21 @@ ADDED_LATER = {"rollouts": {"samples_per_prompt": 1, "dtype": "model"}, "weaver.
 RESPELLED = {group: {"eval_every": (None, 1000000)} for group in ("drafter.train", "weaver.train")}
 
 
+def _start(cfg: DictConfig) -> list[str]:
+    """A fine-tuned drafter's start (`drafter.train.init: <checkpoint>`) as its weight files' paths, sizes and
+    modification times, so that new weights under the same path train a new drafter (nothing for random/target)."""
+    from weaver.models.checkpoint import resolve_checkpoint
+    from weaver.train.drafter import DRAFTER_INITS
+
+    init = OmegaConf.select(cfg, "drafter.train.init", default="random")
+    if init in DRAFTER_INITS:
+        return []
+    files = sorted(resolve_checkpoint(str(init)).glob("*.safetensors"))
+    if not files:
+        raise WeaverError(f"drafter.train.init={init}: no .safetensors weights there (a DFlash-format drafter checkpoint)")
+    return [f"{f.resolve()}|{f.stat().st_size}|{f.stat().st_mtime_ns}" for f in files]
+
+
 def _trained_on(cfg: DictConfig, group: str) -> dict:
     """The config group `group` without its inference-only settings: what a training stage hashes."""
     node = OmegaConf.select(cfg, group)  # None: a group added later, absent from this config
@@ -263,7 +278,8 @@ STAGES: dict[str, Stage] = {
         distributed=True,
     ),
     "drafter": Stage(
-        "drafter", ("rollouts", "states", "text"), lambda cfg: [_trained_on(cfg, "drafter"), cfg.seed], _run_drafter,
+        "drafter", ("rollouts", "states", "text"), lambda cfg: [_trained_on(cfg, "drafter"), cfg.seed, *_start(cfg)],
+        _run_drafter,
         needed=lambda cfg: cfg.drafter.path is None, distributed=True,
     ),
     "weaver": Stage(
@@ -323,9 +339,17 @@ def run_stages(cfg: DictConfig) -> dict[str, str]:
             _build_once(stage, name, cfg, out_dir, state)
         done[name] = str(out_dir)
     if state.is_main_process:
-        atomic_write_json(Path(cfg.paths.root) / cfg.experiment / "artifacts.json", done)
+        atomic_write_json(Path(cfg.paths.root) / cfg.experiment / "artifacts.json", built_artifacts(cfg))
     state.destroy_process_group()
     return done
+
+
+def built_artifacts(cfg: DictConfig) -> dict[str, str]:
+    """{stage: folder} for every stage of this config whose artifact exists, those this run built or checked and
+    those an earlier run did: a run of some stages (`stages=[text]`) does not drop the others from the record
+    other experiments read (`artifact_of`)."""
+    folders = {name: artifact_dir(cfg, name) for name, stage in STAGES.items() if stage.needed(cfg)}
+    return {name: str(folder) for name, folder in folders.items() if folder.exists()}
 
 
 def lock_file(artifact: Path) -> Path:

@@ -37,7 +37,7 @@ class DrafterTrainConfig(TrainConfig):
     gamma: float = 7.0  # block position d weighted exp(-(d-1)/gamma)
     kl_weight: float = 0.0  # > 0 mixes in KL to the target's distribution
     heldout_rollouts: int = 0  # > 0: the last n rollouts are held out; top-1 per depth on them is logged (heldout_*)
-    init: str = "random"  # random | target: layers start as copies of the target's last attention layers
+    init: str = "random"  # random | target (layers copied from the target's last attention layers) | a drafter checkpoint
 
 
 @dataclass

@@ -9,7 +9,8 @@ n most frequent tokens of the rollouts' responses and the offline corpora `draft
 mixture of their frequencies): its loss is over them (labels outside are left out of the loss, the KL's
 teacher is the target's distribution renormalised over them), its accuracy over all. With `text.sources`
 the drafter also trains on text the target has read (`weaver.data.text`): its tokens are not the target's,
-so there the loss is the KL alone and the accuracy is not counted.
+so there the loss is the KL alone and the accuracy is not counted. With `train.init: <a DFlash-format drafter>`
+(ours or z-lab's) training fine-tunes that drafter: its weights, rotary base and draft vocabulary are kept.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ import datasets
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
+from transformers import Qwen3Config
 
 from weaver.data.corpus import collect_documents
 from weaver.data.states import ConcatStates, StoredStates, right_pad
 from weaver.errors import WeaverError
-from weaver.models.checkpoint import check_tokenizer, tokenizer_fingerprint
-from weaver.models.drafter import Drafter
+from weaver.models.checkpoint import check_tokenizer, load_hf_config, resolve_checkpoint, tokenizer_fingerprint
+from weaver.models.drafter import Drafter, DrafterConfig
 from weaver.models.config import TargetConfig
-from weaver.models.drafter_checkpoint import DEFAULT_ROPE_THETA, drafter_config, new_drafter_config, save_drafter
+from weaver.models.drafter_checkpoint import (DEFAULT_ROPE_THETA, drafter_config, load_drafter, new_drafter_config,
+                                              save_drafter)
 from weaver.models.layers import init_weights
 from weaver.models.target import TargetModel
 from weaver.train.common import fit, heldout_metrics, make_accelerator, split_heldout, write_artifact
@@ -195,7 +198,32 @@ def flag_read_text(collate: Callable[[list[dict]], tuple], n_rollouts: int) -> C
     return collate_with_source
 
 
-DRAFTER_INITS = ("random", "target")
+DRAFTER_INITS = ("random", "target")  # anything else names a drafter checkpoint to fine-tune
+
+
+def architecture(cfg: DrafterConfig) -> dict:
+    """What a fine-tuned drafter must share with the one the config describes (its rotary base and norm epsilon
+    may differ: they come with its weights)."""
+    b = cfg.body
+    return {"num_layers": b.num_layers, "block_size": cfg.block_size, "taps": list(cfg.target_layer_ids),
+            "mask_token_id": cfg.mask_token_id, "intermediate_size": b.intermediate_size,
+            "heads, kv heads, head dim": [b.num_heads, b.num_kv_heads, b.head_dim], "draft_vocab": cfg.draft_vocab_size}
+
+
+def start_from_checkpoint(source: str, configured: Qwen3Config, target: TargetModel, tokenizer) -> tuple[Drafter, Qwen3Config]:
+    """`drafter.train.init: <checkpoint>`: the drafter there (checked against the target and its tokenizer) and
+    its config, refused unless it is the drafter `configured` describes, so the config's settings (and the
+    stored states' taps) say what was trained."""
+    hf_config = load_hf_config(resolve_checkpoint(source))
+    given, wanted = architecture(drafter_config(hf_config)), architecture(drafter_config(configured))
+    differ = [f"{k} {given[k]} (the config: {wanted[k]})" for k in wanted if given[k] != wanted[k]]
+    if differ:
+        raise WeaverError(f"drafter.train.init={source} is not the drafter the config describes: it has "
+                          f"{'; '.join(differ)}; set drafter.* to match it")
+    drafter = load_drafter(source, target, tokenizer=tokenizer)
+    hf_config.tokenizer_sha256 = configured.tokenizer_sha256  # a z-lab drafter now records the tokenizer it learnt
+    hf_config.rope_theta = hf_config.rope_parameters["rope_theta"]  # top-level too, as new_drafter_config writes it
+    return drafter, hf_config
 
 
 def rope_theta(cfg: TargetConfig) -> float:
@@ -249,27 +277,12 @@ def init_from_target(drafter: Drafter, target: TargetModel) -> tuple[int, ...]:
     return tuple(attention)
 
 
-def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir: Path, out_dir: Path, work_dir: Path,
-                  states_dir: Path | None = None, text_dir: Path | None = None) -> dict:
-    """Train the drafter described by cfg.drafter on the rollouts (and the text the target read, `text_dir`);
-    write a DFlash-format checkpoint."""
-    d, train = cfg.drafter, cfg.drafter.train
-    check_tokenizer(tokenizer, target.cfg.vocab_size, "the target's tokenizer")
-    mask_id = tokenizer.convert_tokens_to_ids(d.mask_token)
-    if mask_id is None or mask_id == tokenizer.unk_token_id:
-        raise WeaverError(f"mask token '{d.mask_token}' is not in the target's vocabulary")
-    if train.init not in DRAFTER_INITS:
-        raise WeaverError(f"drafter.train.init must be one of {', '.join(DRAFTER_INITS)}, got {train.init!r}")
-    from_target = train.init == "target"
-    # the tokenizer's fingerprint goes into config.json: loading checks it against the target's tokenizer
-    hf_config = new_drafter_config(target, d.num_layers, d.block_size, mask_id, d.num_taps,
-                                   intermediate_size=d.intermediate_size,
-                                   rope_theta=rope_theta(target.cfg) if from_target else DEFAULT_ROPE_THETA,
-                                   tokenizer_sha256=tokenizer_fingerprint(tokenizer), draft_vocab_size=d.draft_vocab)
-    rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
-    torch.manual_seed(cfg.seed)
+def new_drafter(hf_config: Qwen3Config, d: DictConfig, target: TargetModel, tokenizer, rows: datasets.Dataset,
+                from_target: bool, init_std: float) -> Drafter:
+    """A fresh drafter: random weights (its layers copied from the target's with `from_target`), the target's
+    final norm, and the draft vocabulary counted on the rollouts' responses and `d.draft_vocab_corpus`."""
     drafter = Drafter(drafter_config(hf_config))
-    init_weights(drafter, train.init_std)
+    init_weights(drafter, init_std)
     if from_target:
         init_from_target(drafter, target)
     if drafter.draft_vocab is not None:
@@ -280,6 +293,32 @@ def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir:
         drafter.draft_vocab.copy_(frequent_tokens(counts, d.draft_vocab))
     with torch.no_grad():  # start from the target's own output scale (docs/method.md: the target's final norm)
         drafter.norm.weight.copy_(target.norm.scale)
+    return drafter
+
+
+def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir: Path, out_dir: Path, work_dir: Path,
+                  states_dir: Path | None = None, text_dir: Path | None = None) -> dict:
+    """Train the drafter described by cfg.drafter on the rollouts (and the text the target read, `text_dir`);
+    write a DFlash-format checkpoint."""
+    d, train = cfg.drafter, cfg.drafter.train
+    check_tokenizer(tokenizer, target.cfg.vocab_size, "the target's tokenizer")
+    mask_id = tokenizer.convert_tokens_to_ids(d.mask_token)
+    if mask_id is None or mask_id == tokenizer.unk_token_id:
+        raise WeaverError(f"mask token '{d.mask_token}' is not in the target's vocabulary")
+    if not isinstance(train.init, str) or not train.init:
+        raise WeaverError(f"drafter.train.init must be random, target or a drafter checkpoint, got {train.init!r}")
+    from_target = train.init == "target"
+    # the tokenizer's fingerprint goes into config.json: loading checks it against the target's tokenizer
+    hf_config = new_drafter_config(target, d.num_layers, d.block_size, mask_id, d.num_taps,
+                                   intermediate_size=d.intermediate_size,
+                                   rope_theta=rope_theta(target.cfg) if from_target else DEFAULT_ROPE_THETA,
+                                   tokenizer_sha256=tokenizer_fingerprint(tokenizer), draft_vocab_size=d.draft_vocab)
+    rows = datasets.load_from_disk(str(rollouts_dir / "dataset"))
+    torch.manual_seed(cfg.seed)
+    if train.init in DRAFTER_INITS:
+        drafter = new_drafter(hf_config, d, target, tokenizer, rows, from_target, train.init_std)
+    else:
+        drafter, hf_config = start_from_checkpoint(train.init, hf_config, target, tokenizer)
     target.requires_grad_(False)
     accelerator = make_accelerator(cfg, f"{cfg.experiment}-drafter", train.precision)
     target.to(accelerator.device)
