@@ -575,8 +575,10 @@ def test_init_from_a_checkpoint_fine_tunes_it(smoke_outputs, tmp_path):
                            if "vocab" not in override else override)
         with pytest.raises(WeaverError, match=f"is not the drafter the config describes: it has {message}"):
             train_drafter(bad, target, tokenizer, artifact_dir(bad, "rollouts"), tmp_path / "bad", tmp_path / "bad.work")
-    with pytest.raises(WeaverError, match="checkpoint folder not found"):
-        stage_key(smoke_config(smoke_outputs, f"drafter.train.init={tmp_path / 'missing'}"), "drafter")
+    for init in (tmp_path / "missing", "targt"):
+        with pytest.raises(WeaverError, match="drafter.train.init must be random, target or a DFlash-format drafter "
+                                              f"checkpoint: checkpoint folder not found: {init}"):
+            stage_key(smoke_config(smoke_outputs, f"drafter.train.init={init}"), "drafter")
 
 
 def deep_target(model_type: str, folder) -> TargetModel:

@@ -226,13 +226,12 @@ RESPELLED = {group: {"eval_every": (None, 1000000)} for group in ("drafter.train
 def _start(cfg: DictConfig) -> list[str]:
     """A fine-tuned drafter's start (`drafter.train.init: <checkpoint>`) as its weight files' paths, sizes and
     modification times, so that new weights under the same path train a new drafter (nothing for random/target)."""
-    from weaver.models.checkpoint import resolve_checkpoint
-    from weaver.train.drafter import DRAFTER_INITS
+    from weaver.train.drafter import DRAFTER_INITS, init_checkpoint
 
     init = OmegaConf.select(cfg, "drafter.train.init", default="random")
     if init in DRAFTER_INITS:
         return []
-    files = sorted(resolve_checkpoint(str(init)).glob("*.safetensors"))
+    files = sorted(init_checkpoint(str(init)).glob("*.safetensors"))
     if not files:
         raise WeaverError(f"drafter.train.init={init}: no .safetensors weights there (a DFlash-format drafter checkpoint)")
     return [f"{f.resolve()}|{f.stat().st_size}|{f.stat().st_mtime_ns}" for f in files]

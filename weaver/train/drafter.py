@@ -201,6 +201,14 @@ def flag_read_text(collate: Callable[[list[dict]], tuple], n_rollouts: int) -> C
 DRAFTER_INITS = ("random", "target")  # anything else names a drafter checkpoint to fine-tune
 
 
+def init_checkpoint(init: str) -> Path:
+    """The folder `drafter.train.init` names when it is neither random nor target."""
+    try:
+        return resolve_checkpoint(init)
+    except WeaverError as err:
+        raise WeaverError(f"drafter.train.init must be random, target or a DFlash-format drafter checkpoint: {err}") from None
+
+
 def architecture(cfg: DrafterConfig) -> dict:
     """What a fine-tuned drafter must share with the one the config describes (its rotary base and norm epsilon
     may differ: they come with its weights)."""
@@ -214,7 +222,7 @@ def start_from_checkpoint(source: str, configured: Qwen3Config, target: TargetMo
     """`drafter.train.init: <checkpoint>`: the drafter there (checked against the target and its tokenizer) and
     its config, refused unless it is the drafter `configured` describes, so the config's settings (and the
     stored states' taps) say what was trained."""
-    hf_config = load_hf_config(resolve_checkpoint(source))
+    hf_config = load_hf_config(init_checkpoint(source))
     given, wanted = architecture(drafter_config(hf_config)), architecture(drafter_config(configured))
     differ = [f"{k} {given[k]} (the config: {wanted[k]})" for k in wanted if given[k] != wanted[k]]
     if differ:
