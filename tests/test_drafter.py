@@ -562,6 +562,7 @@ def test_init_from_a_checkpoint_fine_tunes_it(smoke_outputs, tmp_path):
         assert torch.equal(tuned.state_dict()[name], tensor), name
     saved = load_hf_config(tmp_path / "tuned")
     assert saved.tokenizer_sha256 == tokenizer_fingerprint(tokenizer) and saved.rope_parameters["rope_theta"] == 5000.0
+    assert json.loads((tmp_path / "tuned" / "config.json").read_text())["rope_theta"] == 5000.0  # for 4.x readers too
 
     key = stage_key(cfg, "drafter")
     assert key != stage_key(smoke_config(smoke_outputs, "drafter.draft_vocab=100"), "drafter")

@@ -234,7 +234,8 @@ def _start(cfg: DictConfig) -> list[str]:
     files = sorted(init_checkpoint(str(init)).glob("*.safetensors"))
     if not files:
         raise WeaverError(f"drafter.train.init={init}: no .safetensors weights there (a DFlash-format drafter checkpoint)")
-    return [f"{f.resolve()}|{f.stat().st_size}|{f.stat().st_mtime_ns}" for f in files]
+    stats = {f: f.stat() for f in files}
+    return [f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}" for f, st in stats.items()]
 
 
 def _trained_on(cfg: DictConfig, group: str) -> dict:

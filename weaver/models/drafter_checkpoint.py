@@ -57,7 +57,6 @@ def new_drafter_config(
         block_size=block_size, num_target_layers=t.num_layers,
         dflash_config={"target_layer_ids": list(layers), "mask_token_id": mask_token_id},
     )
-    config.rope_theta = rope_theta  # also top-level: transformers 4.x readers (z-lab, SGLang) look there
     if tokenizer_sha256:
         config.tokenizer_sha256 = tokenizer_sha256
     if draft_vocab_size is not None:
@@ -163,6 +162,9 @@ def save_drafter(drafter: Drafter, hf_config: Qwen3Config, out_dir: Path) -> Non
             tensors[name] = part.contiguous()
     if drafter.draft_vocab is not None:
         tensors["draft_vocab"] = drafter.draft_vocab.cpu().contiguous()
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if "rope_theta" in rope:  # top-level too: transformers 4.x readers (z-lab, SGLang) look there
+        hf_config.rope_theta = rope["rope_theta"]
     with atomic_dir(out_dir) as tmp:
         hf_config.save_pretrained(tmp)
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})

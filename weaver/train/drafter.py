@@ -222,15 +222,15 @@ def start_from_checkpoint(source: str, configured: Qwen3Config, target: TargetMo
     """`drafter.train.init: <checkpoint>`: the drafter there (checked against the target and its tokenizer) and
     its config, refused unless it is the drafter `configured` describes, so the config's settings (and the
     stored states' taps) say what was trained."""
-    hf_config = load_hf_config(init_checkpoint(source))
+    folder = init_checkpoint(source)
+    hf_config = load_hf_config(folder)
     given, wanted = architecture(drafter_config(hf_config)), architecture(drafter_config(configured))
     differ = [f"{k} {given[k]} (the config: {wanted[k]})" for k in wanted if given[k] != wanted[k]]
     if differ:
         raise WeaverError(f"drafter.train.init={source} is not the drafter the config describes: it has "
                           f"{'; '.join(differ)}; set drafter.* to match it")
-    drafter = load_drafter(source, target, tokenizer=tokenizer)
+    drafter = load_drafter(str(folder), target, tokenizer=tokenizer)
     hf_config.tokenizer_sha256 = configured.tokenizer_sha256  # a z-lab drafter now records the tokenizer it learnt
-    hf_config.rope_theta = hf_config.rope_parameters["rope_theta"]  # top-level too, as new_drafter_config writes it
     return drafter, hf_config
 
 
