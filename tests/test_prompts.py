@@ -63,6 +63,27 @@ def test_rollout_prompts_leave_out_the_evaluation_prompts(byte_tokenizer):
     assert sum(t.startswith("Implement `") for t in texts) == 1000  # spread evenly: 1001 + 1000
 
 
+def test_sets_that_run_short_give_their_share_to_the_others():
+    from weaver.data.rollouts import spread
+
+    assert spread(10, [5, 5, 5]) == [4, 3, 3]  # even, the first sets take the remainder
+    assert spread(7000, [2000, 1000, 1000, 1000, 2200, 615]) == [1693, 1000, 1000, 1000, 1692, 615]
+    assert spread(9, [1, 10, 3]) == [1, 5, 3]
+    assert spread(2, [4, 4, 4]) == [1, 1, 0]
+    with pytest.raises(WeaverError, match="hold 6 prompts in all .* fewer than rollouts.n_prompts=7"):
+        spread(7, [3, 3])
+
+
+def test_rollout_prompts_take_all_of_a_short_set(byte_tokenizer):
+    from weaver.data.rollouts import set_prompts
+
+    cfg = cfg_with(train_math={"size": 30})
+    cfg.model.chat_template_kwargs = {}
+    cfg.rollouts = {"prompts": ["train_math", "train_code"], "exclude": [], "n_prompts": 100, "prompt_tokens": 100_000}
+    texts = [byte_tokenizer.decode(p) for p in set_prompts(cfg, byte_tokenizer)]
+    assert len(texts) == 100 and sum(t.startswith("Implement `") for t in texts) == 70
+
+
 def test_stdlib_functions_are_implement_requests():
     rows = load_prompt_set(cfg_with(train_code={"size": 50}), "train_code")
     assert len(rows) == 50 and all(p.startswith("Implement `") and " module: " in p for p in rows["prompt"])

@@ -36,20 +36,38 @@ def corpus_prompts(corpus_dir: Path, n: int, prompt_tokens: int, seed: int) -> l
     return [row[:prompt_tokens] for row in rows.select(picked)["input_ids"]]
 
 
+def spread(n: int, available: list[int]) -> list[int]:
+    """`n` split as evenly as possible over sets holding `available` rows each: a set with fewer rows than
+    its share gives all it has and the rest is spread over the others (the earlier sets take the remainders)."""
+    if n > sum(available):
+        raise WeaverError(f"the prompt sets hold {sum(available)} prompts in all ({', '.join(map(str, available))}), "
+                          f"fewer than rollouts.n_prompts={n}")
+    shares, open_sets, left = [0] * len(available), list(range(len(available))), n
+    while left:
+        base, extra = divmod(left, len(open_sets))
+        for rank, i in enumerate(open_sets):
+            take = min(base + (rank < extra), available[i] - shares[i])
+            shares[i] += take
+            left -= take
+        open_sets = [i for i in open_sets if shares[i] < available[i]]
+    return shares
+
+
 def set_prompts(cfg: DictConfig, tokenizer) -> list[list[int]]:
-    """`rollouts.n_prompts` prompts spread evenly over the prompt sets named in `rollouts.prompts`, as token
-    ids in the target's chat template (any target: the text is rendered by its own tokenizer). Prompts
-    that also occur in a set of `rollouts.exclude` (the evaluation sets) are dropped first."""
+    """`rollouts.n_prompts` prompts spread evenly over the prompt sets named in `rollouts.prompts` (`spread`: a
+    set that runs short gives all it has), as token ids in the target's chat template (any target: the text is
+    rendered by its own tokenizer). Prompts that also occur in a set of `rollouts.exclude` (the evaluation sets)
+    are dropped first."""
     r = cfg.rollouts
     names = list(r.prompts)
     if not names:
         raise WeaverError("rollouts.prompts is empty: give 'corpus' or a list of prompt sets")
     banned = {text for name in r.exclude for text in load_prompt_set(cfg, name)["prompt"]}
+    sets = [load_prompt_set(cfg, name).filter(lambda text: text not in banned, input_columns="prompt") for name in names]
     prompts = []
-    for i, name in enumerate(names):
-        rows = load_prompt_set(cfg, name).filter(lambda text: text not in banned, input_columns="prompt")
-        n = r.n_prompts // len(names) + (i < r.n_prompts % len(names))
-        prompts += encode_prompts(rows, tokenizer, n, r.prompt_tokens, "truncate", template_kwargs(cfg))
+    for rows, n in zip(sets, spread(r.n_prompts, [len(rows) for rows in sets])):
+        if n:  # fewer prompts than sets leaves the last sets out
+            prompts += encode_prompts(rows, tokenizer, n, r.prompt_tokens, "truncate", template_kwargs(cfg))
     return prompts
 
 
