@@ -72,6 +72,9 @@ def test_sets_that_run_short_give_their_share_to_the_others():
     assert spread(2, [4, 4, 4]) == [1, 1, 0]
     with pytest.raises(WeaverError, match="hold 6 prompts in all .* fewer than rollouts.n_prompts=7"):
         spread(7, [3, 3])
+    for bad in (0, -3, 2.5):
+        with pytest.raises(WeaverError, match="n_prompts must be a whole number"):
+            spread(bad, [3, 3])
 
 
 def test_rollout_prompts_take_all_of_a_short_set(byte_tokenizer):

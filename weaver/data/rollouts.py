@@ -39,6 +39,8 @@ def corpus_prompts(corpus_dir: Path, n: int, prompt_tokens: int, seed: int) -> l
 def spread(n: int, available: list[int]) -> list[int]:
     """`n` split as evenly as possible over sets holding `available` rows each: a set with fewer rows than
     its share gives all it has and the rest is spread over the others (the earlier sets take the remainders)."""
+    if not is_count(n):
+        raise WeaverError(f"rollouts.n_prompts must be a whole number >= 1, got {n!r}")
     if n > sum(available):
         raise WeaverError(f"the prompt sets hold {sum(available)} prompts in all ({', '.join(map(str, available))}), "
                           f"fewer than rollouts.n_prompts={n}")
