@@ -42,14 +42,36 @@ EVAL_OVERRIDES = [
 ]
 
 
-def _artifact_keys(config_name: str, *overrides: str) -> dict[str, str]:
+def _artifact_keys(config_name: str, *overrides: str, experiment: str = "tiny") -> dict[str, str]:
     from hydra import compose, initialize_config_dir
 
     from weaver.pipeline import ROOT_CONF, STAGES, stage_key
 
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
-        cfg = compose(config_name, overrides=["+experiment=tiny", *overrides])
+        cfg = compose(config_name, overrides=[f"+experiment={experiment}", *overrides])
     return {name: stage_key(cfg, name) for name in STAGES}
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
+def test_every_experiment_composes_for_train_and_eval(experiment):
+    """Each shipped experiment composes for train.py and eval.py (its settings typed by the schemas), names its
+    methods and datasets right, and writes under its own name (outputs/<experiment>)."""
+    from hydra import compose, initialize_config_dir
+
+    from weaver.eval.run import check_names
+    from weaver.pipeline import ROOT_CONF
+
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        train, evaluate = (compose(name, overrides=[f"+experiment={experiment}"]) for name in ("train", "eval"))
+    check_names(evaluate)
+    assert train.experiment == evaluate.experiment == experiment
+
+
+def test_a_deeper_drafter_reuses_the_data_stages():
+    """`smollm2_deep` is `smollm2_scale` with a 4-layer drafter: the rollouts, stored states and read text are
+    shared (their keys do not read the drafter's depth), the drafter and what reads it are new."""
+    scale, deep = _artifact_keys("train", experiment="smollm2_scale"), _artifact_keys("train", experiment="smollm2_deep")
+    assert [name for name in scale if scale[name] != deep[name]] == ["drafter", "weaver"]
 
 
 def test_eval_time_settings_never_change_artifact_keys():
