@@ -1,6 +1,7 @@
 """Speculative decoding speed, side by side in one process: our AR decode (the eval baseline, compiled
 unless eval.compile=false, same dtype and threads) and each method@budget on the same prompts, interleaved
-over --repeats rounds so that drifts in machine load hit all of them alike; medians over rounds.
+prompt by prompt (their order rotated from prompt to prompt) over --repeats rounds, so that drifts in machine
+load hit all of them alike; medians over rounds.
 
     python benchmarks/spec_decode.py +experiment=tiny --runs chain:15 ddtree:16 weaver:8 weaver:auto
     python benchmarks/spec_decode.py +experiment=tiny --runs ddtree:8 weaver:8 weaver:8:rescore=4
@@ -11,7 +12,8 @@ for each of --methods and marks each method's best. A run may set weaver.search 
 (weaver:8:rescore=4,nodes_per_call=2), or eval.auto_budget for itself (ddtree:auto:stepwise=1), so that
 settings are compared in one process. Arguments other than the options are eval.py
 overrides (prompt sets, n_prompts, max_new_tokens, ...). A round decodes every prompt of every dataset
-once per run. The table gives τ, median tokens/s, the medians of the per-round ratios to AR and to the
+once per run (each run's generator and `auto` planner carried from prompt to prompt, fresh each round). The
+table gives τ, median tokens/s, the medians of the per-round ratios to AR (their range in brackets) and to the
 chain (the chain's best run), efficiency (speedup over AR / τ: the share of τ that reaches wall-clock), and
 where a step's time goes (`weaver.engine.PHASES`; other = prefill and the loop's bookkeeping). At
 temperature 0 every run's tokens must equal eager greedy AR decoding's (checked; the timed AR may be compiled).
@@ -23,7 +25,9 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from weaver.data.prompts import eval_prompts
-from weaver.eval.run import SHARES, load_models, method_spec, run_ar, run_speculative, warm_up
+from weaver.eval.run import (SHARES, ar_decoder, ar_summary, greedy_reference, load_models, method_spec, run_speculative,
+                             speculative_run, speculative_summary, warm_up)
 from weaver.io import atomic_write_text
 from weaver.pipeline import ROOT_CONF
 
@@ -56,8 +61,29 @@ def with_settings(cfg: DictConfig, settings: dict[str, int]) -> DictConfig:
     return OmegaConf.merge(cfg, {"weaver": {"search": search}, "eval": {"auto_budget": auto}}) if search or auto else cfg
 
 
+def interleaved_round(decoders: dict[str, Callable], prompts: list[list[int]], shift: int) -> dict[str, tuple[list, list, float]]:
+    """Every prompt through every decoder, prompt by prompt, the decoders' order rotated from one prompt to the
+    next (and from round to round), so that a drift in the machine's speed hits every run alike: {label:
+    (outputs, stats, seconds spent decoding)}."""
+    labels = list(decoders)
+    outputs, stats, seconds = ({label: [] for label in labels}, {label: [] for label in labels}, dict.fromkeys(labels, 0.0))
+    for i, prompt in enumerate(tqdm(prompts, desc="prompts", leave=False)):
+        k = (shift + i) % len(labels)
+        for label in labels[k:] + labels[:k]:
+            start = time.perf_counter()
+            tokens, info = decoders[label](prompt)
+            seconds[label] += time.perf_counter() - start
+            outputs[label].append(tokens)
+            stats[label].append(info)
+    return {label: (outputs[label], stats[label], seconds[label]) for label in labels}
+
+
+def round_ratios(speed: dict[str, list[float]], label: str, base: str) -> list[float]:
+    return [a / b for a, b in zip(speed[label], speed[base])]
+
+
 def median_ratios(speed: dict[str, list[float]], label: str, base: str) -> float:
-    return statistics.median(a / b for a, b in zip(speed[label], speed[base]))
+    return statistics.median(round_ratios(speed, label, base))
 
 
 def main() -> None:
@@ -75,26 +101,27 @@ def main() -> None:
     models, tokenizer = load_models(cfg)
     runs = ({f"{m}:{b}": (m, b, {}) for m in methods for b in method_spec(m).budgets(cfg, models)} if args.best
             else {label: parse_run(label) for label in args.runs})
-    eos = tokenizer.eos_token_id
+    eos, block = tokenizer.eos_token_id, models["drafter"].cfg.block_size
     warm_up(models, cfg, eos or 0, [(method, budget) for method, budget, _ in runs.values()])
     prompts = [p for ids in eval_prompts(cfg, tokenizer).values() for p in ids]
     for method, budget, settings in runs.values():  # a run's own settings may compile other graphs
         if settings:
             run_speculative(models, prompts[:1], with_settings(cfg, settings), eos, method, budget)
 
+    reference = greedy_reference(models, prompts, cfg, eos) if e.temperature == 0 else None
     speed: dict[str, list[float]] = {label: [] for label in ["ar", *runs]}
     results: dict[str, list[dict]] = {label: [] for label in runs}
-    reference = None
-    for _ in tqdm(range(args.repeats), desc="rounds"):
-        ar = run_ar(models, prompts, cfg, eos, with_reference=reference is None)
-        reference = reference or ar["reference"]
-        speed["ar"].append(ar["tokens_per_s"])
-        for label, (method, budget, settings) in runs.items():
-            result = run_speculative(models, prompts, with_settings(cfg, settings), eos, method, budget)
-            if e.temperature == 0 and result["outputs"] != reference:
-                sys.exit(f"{label}: greedy tokens differ from AR decoding")
+    for round_ in tqdm(range(args.repeats), desc="rounds"):
+        decoders = {"ar": ar_decoder(models, cfg, eos), **{label: speculative_run(models, with_settings(cfg, settings), eos, method, budget)
+                                                          for label, (method, budget, settings) in runs.items()}}
+        done = interleaved_round(decoders, prompts, shift=round_)
+        for label, (outputs, stats, seconds) in done.items():
+            result = ar_summary(outputs, seconds) if label == "ar" else speculative_summary(outputs, stats, seconds, block)
+            if reference is not None and label != "ar" and outputs != reference:
+                sys.exit(f"{label}: greedy tokens differ from eager AR decoding")
             speed[label].append(result["tokens_per_s"])
-            results[label].append(result)
+            if label != "ar":
+                results[label].append(result)
 
     chains = [label for label, (method, *_) in runs.items() if method == "chain"]
     chain = max(chains, key=lambda label: statistics.median(speed[label])) if chains else None
@@ -106,7 +133,8 @@ def main() -> None:
         vs_ar, tau = median_ratios(speed, label, "ar"), statistics.median(r["tau"] for r in results[label])
         rows.append({
             "run": label, "method": method, "budget": budget, "tau": tau, "tokens_per_s": statistics.median(speed[label]),
-            "vs_ar": vs_ar, "vs_chain": median_ratios(speed, label, chain) if chain else None, "efficiency": vs_ar / tau,
+            "vs_ar": vs_ar, "vs_ar_rounds": round_ratios(speed, label, "ar"),
+            "vs_chain": median_ratios(speed, label, chain) if chain else None, "efficiency": vs_ar / tau,
             "best": best[method] == label, "mean_budget": statistics.median(r["mean_budget"] for r in results[label]),
             "budget_steps": dict(sum((Counter(r["budget_steps"]) for r in results[label]), Counter())),
             **{k: statistics.median(r[k] for r in results[label]) for k in SHARES},
@@ -125,7 +153,8 @@ def main() -> None:
             name += f" (mean budget {r['mean_budget']:.1f}; steps at {mix})"
         split = " | ".join(f"{r[k]:.0%}" if k in r else "" for k in SHARES)
         vs_chain = f"{r['vs_chain']:.2f}x" if r["vs_chain"] is not None else "-"
-        print(f"| {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | {vs_chain} | "
+        spread = f" ({min(r['vs_ar_rounds']):.2f}-{max(r['vs_ar_rounds']):.2f})" if len(r.get("vs_ar_rounds", [])) > 1 else ""
+        print(f"| {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x{spread} | {vs_chain} | "
               f"{r['efficiency']:.2f} | {split} |")
     if args.out:
         atomic_write_text(Path(args.out), json.dumps(rows, indent=1) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -32,6 +33,24 @@ def test_speculative_decoding_benchmark_runs(smoke_outputs):
                                                     "weaver:4:rescore=2"]
     # a run's eval.auto_budget setting reaches its planner: each probed its own costs
     assert "budget auto, chain (stepwise): ms per step" in done.stdout and "budget auto, chain: ms per step" in done.stdout
+    weaver = next(line for line in done.stdout.splitlines() if line.startswith("| weaver:4 |"))
+    assert re.search(r"\| [\d.]+x \([\d.]+-[\d.]+\) \|", weaver)  # two rounds: the per-round ratios' range
+
+
+def test_interleaved_round_rotates_the_runs_from_prompt_to_prompt():
+    spec = importlib.util.spec_from_file_location("spec_decode", ROOT / "benchmarks" / "spec_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = []
+
+    def decoder(label):
+        return lambda prompt: (calls.append((label, prompt[0])), ([prompt[0], label], f"{label}{prompt[0]}"))[1]
+
+    done = bench.interleaved_round({label: decoder(label) for label in "abc"}, [[0], [1], [2], [3]], shift=1)
+    assert calls == [("b", 0), ("c", 0), ("a", 0), ("c", 1), ("a", 1), ("b", 1),
+                     ("a", 2), ("b", 2), ("c", 2), ("b", 3), ("c", 3), ("a", 3)]
+    for label, (outputs, stats, seconds) in done.items():  # each run's prompts in prompt order, its own time only
+        assert outputs == [[i, label] for i in range(4)] and stats == [f"{label}{i}" for i in range(4)] and seconds > 0
 
 
 def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs, tmp_path):
@@ -79,6 +98,7 @@ def test_best_budget_sweep_writes_rows(smoke_outputs, tmp_path):
     assert set(rows) == {"ar", "ddtree:2", "ddtree:4", "ddtree:auto"}  # the smoke budgets [2, 4, auto]
     assert sum(r["best"] for r in rows.values() if r["method"] == "ddtree") == 1
     auto = rows["ddtree:auto"]
+    assert auto["vs_ar_rounds"] == [pytest.approx(auto["vs_ar"])]  # one round
     assert auto["efficiency"] == pytest.approx(auto["vs_ar"] / auto["tau"]) and 1 <= auto["mean_budget"] <= 4
     steps = {int(b): n for b, n in auto["budget_steps"].items()}  # one round: its mix gives its mean budget
     assert sum(b * n for b, n in steps.items()) / sum(steps.values()) == pytest.approx(auto["mean_budget"])

@@ -131,4 +131,5 @@ def test_padded_tree_keeps_the_real_nodes_and_hangs_padding_off_the_context():
     assert padded.parents[6:].tolist() == [-1] * 3 and padded.depth[6:].tolist() == [0] * 3
     assert torch.equal(padded.ancestors, Tree(padded.tokens, padded.parents).ancestors)
     assert tree.padded(6) is tree
-    assert [verify_size(n) for n in (1, 2, 3, 4, 5, 6, 9, 10, 17, 18, 65)] == [2, 2, 3, 5, 5, 9, 9, 17, 17, 33, 65]
+    sizes = (1, 2, 3, 4, 5, 6, 8, 9, 10, 16, 17, 18, 32, 33, 34, 65)
+    assert [verify_size(n) for n in sizes] == [2, 2, 3, 4, 5, 8, 8, 9, 16, 16, 17, 32, 32, 33, 64, 65]

@@ -113,37 +113,48 @@ def decode_all(prompts: list[list[int]], decode, desc: str) -> tuple[list[list[i
     return outputs, stats, seconds
 
 
-def run_ar(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, with_reference: bool = True) -> dict:
-    """The timed baseline (compiled unless eval.compile=false) and, at temperature 0, the greedy reference
-    every method's tokens are compared with: eager decoding, the same kernels the engine runs. (Inductor's
-    fused kernels round differently and can flip near-ties: seen on AVX2-only CPUs; the AR row's own
-    greedy_match says whether the compiled baseline agreed.) with_reference=False: skip that extra pass
-    (reference None) for a caller that already has it."""
+def ar_decoder(models: Models, cfg: DictConfig, eos: int | None) -> Callable[[list[int]], tuple[list[int], None]]:
+    """The timed baseline's decode(prompt) -> (tokens, None): compiled unless eval.compile=false."""
     generator = torch.Generator().manual_seed(cfg.eval.seed)
     e = cfg.eval
-    target = models["target"]
-    outputs, _, seconds = decode_all(
-        prompts, lambda p: (generate(target, [p], e.max_new_tokens, e.temperature, eos, generator, e.compile)[0], None),
-        "ar",
-    )
+    return lambda prompt: (generate(models["target"], [prompt], e.max_new_tokens, e.temperature, eos, generator,
+                                    e.compile)[0], None)
+
+
+def greedy_reference(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None) -> list[list[int]]:
+    """The greedy tokens every method's are compared with: eager decoding, the same kernels the engine runs.
+    (Inductor's fused kernels round differently and can flip near-ties: seen on AVX2-only CPUs.)"""
+    return [generate(models["target"], [p], cfg.eval.max_new_tokens, 0.0, eos)[0] for p in prompts]
+
+
+def ar_summary(outputs: list[list[int]], seconds: float) -> dict:
+    """The AR row's τ (1), tokens/s and outputs."""
+    return {"tau": 1.0, "tokens_per_s": sum(map(len, outputs)) / seconds, "n_tokens": sum(map(len, outputs)),
+            "outputs": outputs}
+
+
+def run_ar(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None) -> dict:
+    """The timed baseline and, at temperature 0, the greedy reference (`greedy_reference` where the baseline is
+    compiled; the AR row's own greedy_match says whether the compiled baseline agreed)."""
+    outputs, _, seconds = decode_all(prompts, ar_decoder(models, cfg, eos), "ar")
     reference = outputs
-    if e.compile and e.temperature == 0:
-        reference = [generate(target, [p], e.max_new_tokens, 0.0, eos)[0] for p in prompts] if with_reference else None
-    n_tokens = sum(map(len, outputs))
-    return {"tau": 1.0, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs,
-            "reference": reference}
+    if cfg.eval.compile and cfg.eval.temperature == 0:
+        reference = greedy_reference(models, prompts, cfg, eos)
+    return {**ar_summary(outputs, seconds), "reference": reference}
 
 
-def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, method: str,
-                    budget: int | str) -> dict:
+def speculative_run(models: Models, cfg: DictConfig, eos: int | None, method: str,
+                    budget: int | str) -> Callable[[list[int]], tuple[list[int], SpecStats]]:
+    """decode(prompt) -> (tokens, SpecStats) for one run of `method` at `budget`: one generator and, for `auto`,
+    one planner, both carried from prompt to prompt."""
     generator = torch.Generator().manual_seed(cfg.eval.seed)
-    e = cfg.eval
-    drafter = models["drafter"]
-    label = f"{method}@{budget}"
-    if budget == "auto":
-        budget = auto_planner(models, cfg, method)
+    plan = auto_planner(models, cfg, method) if budget == "auto" else budget
     decode = speculative_decoder(models, cfg, method, eos, generator)
-    outputs, stats, seconds = decode_all(prompts, lambda p: decode(p, budget), label)
+    return lambda prompt: decode(prompt, plan)
+
+
+def speculative_summary(outputs: list[list[int]], stats: list[SpecStats], seconds: float, block_size: int) -> dict:
+    """A run's row: τ, tokens/s, the time split and the budgets its steps took."""
     total = SpecStats.merge(stats)
     n_tokens = sum(map(len, outputs))
     shares = {f"{phase}_share": total.seconds[phase] / seconds for phase in PHASES}
@@ -152,8 +163,14 @@ def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, e
         **shares, "other_share": 1 - sum(shares.values()),
         "mean_budget": sum(total.budgets) / max(1, len(total.budgets)),
         "budget_steps": dict(sorted(Counter(total.budgets).items())),  # steps taken at each budget
-        "accept_hist": torch.bincount(torch.tensor(total.accepted, dtype=torch.long), minlength=drafter.cfg.block_size).tolist(),
+        "accept_hist": torch.bincount(torch.tensor(total.accepted, dtype=torch.long), minlength=block_size).tolist(),
     }
+
+
+def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, method: str,
+                    budget: int | str) -> dict:
+    outputs, stats, seconds = decode_all(prompts, speculative_run(models, cfg, eos, method, budget), f"{method}@{budget}")
+    return speculative_summary(outputs, stats, seconds, models["drafter"].cfg.block_size)
 
 
 def speculative_decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, generator: torch.Generator | None,

@@ -37,9 +37,12 @@ from weaver.tree import Tree
 
 
 def verify_size(nodes: int) -> int:
-    """The tree size a compiled verify pads `nodes` to: 2, 3, 5, 9, 17, 33, ... (2^k + 1, a budget that is a
-    power of two plus its root), so a handful of graphs serve every tree."""
-    return 1 + (1 << max(nodes - 2, 0).bit_length())
+    """The tree size a compiled verify pads `nodes` to: the next power of two, or one more (2, 3, 4, 5, 8, 9, 16,
+    17, 32, 33, ...): a power-of-two budget plus its root, or a budget one under it, whose tree fills whole matmul
+    calls (lossless bf16 runs every product in calls of 8 or 16 rows, `weaver.models.linear.INVARIANT_ROWS`). So
+    a few graphs serve every tree, and none pads past the rows it pays for. Never 1: dynamo specialises size 1."""
+    power = 1 << max(nodes - 2, 0).bit_length()  # the least power of two >= nodes - 1
+    return max(power if power >= nodes else power + 1, 2)
 
 
 class Attention(nn.Module):
