@@ -25,9 +25,7 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from weaver.data.prompts import eval_prompts
-from weaver.eval.run import (SHARES, ar_decoder, ar_summary, greedy_reference, load_models, method_spec, run_speculative,
+from weaver.eval.run import (SHARES, ar_decoder, ar_summary, greedy_reference, interleaved_round, load_models, method_spec,
                              speculative_run, speculative_summary, warm_up)
 from weaver.io import atomic_write_text
 from weaver.pipeline import ROOT_CONF
@@ -59,23 +57,6 @@ def with_settings(cfg: DictConfig, settings: dict[str, int]) -> DictConfig:
     auto = {k: v for k, v in settings.items() if k in cfg.eval.auto_budget}
     search = {k: v for k, v in settings.items() if k not in auto}
     return OmegaConf.merge(cfg, {"weaver": {"search": search}, "eval": {"auto_budget": auto}}) if search or auto else cfg
-
-
-def interleaved_round(decoders: dict[str, Callable], prompts: list[list[int]], shift: int) -> dict[str, tuple[list, list, float]]:
-    """Every prompt through every decoder, prompt by prompt, the decoders' order rotated from one prompt to the
-    next (and from round to round), so that a drift in the machine's speed hits every run alike: {label:
-    (outputs, stats, seconds spent decoding)}."""
-    labels = list(decoders)
-    outputs, stats, seconds = ({label: [] for label in labels}, {label: [] for label in labels}, dict.fromkeys(labels, 0.0))
-    for i, prompt in enumerate(tqdm(prompts, desc="prompts", leave=False)):
-        k = (shift + i) % len(labels)
-        for label in labels[k:] + labels[:k]:
-            start = time.perf_counter()
-            tokens, info = decoders[label](prompt)
-            seconds[label] += time.perf_counter() - start
-            outputs[label].append(tokens)
-            stats[label].append(info)
-    return {label: (outputs[label], stats[label], seconds[label]) for label in labels}
 
 
 def round_ratios(speed: dict[str, list[float]], label: str, base: str) -> list[float]:
@@ -106,7 +87,7 @@ def main() -> None:
     prompts = [p for ids in eval_prompts(cfg, tokenizer).values() for p in ids]
     for method, budget, settings in runs.values():  # a run's own settings may compile other graphs
         if settings:
-            run_speculative(models, prompts[:1], with_settings(cfg, settings), eos, method, budget)
+            speculative_run(models, with_settings(cfg, settings), eos, method, budget)(prompts[0])
 
     reference = greedy_reference(models, prompts, cfg, eos) if e.temperature == 0 else None
     speed: dict[str, list[float]] = {label: [] for label in ["ar", *runs]}

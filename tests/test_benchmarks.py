@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -13,6 +12,7 @@ import torch
 
 from conftest import run_script
 from test_pipeline import ROOT
+from weaver.eval.run import interleaved_round
 
 
 def test_gdn_tree_verify_benchmark_runs():
@@ -38,19 +38,17 @@ def test_speculative_decoding_benchmark_runs(smoke_outputs):
 
 
 def test_interleaved_round_rotates_the_runs_from_prompt_to_prompt():
-    spec = importlib.util.spec_from_file_location("spec_decode", ROOT / "benchmarks" / "spec_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     calls = []
 
     def decoder(label):
         return lambda prompt: (calls.append((label, prompt[0])), ([prompt[0], label], f"{label}{prompt[0]}"))[1]
 
-    done = bench.interleaved_round({label: decoder(label) for label in "abc"}, [[0], [1], [2], [3]], shift=1)
+    done = interleaved_round({label: decoder(label) for label in "abc"}, [[0], [1], [2], [3]], shift=1)
     assert calls == [("b", 0), ("c", 0), ("a", 0), ("c", 1), ("a", 1), ("b", 1),
                      ("a", 2), ("b", 2), ("c", 2), ("b", 3), ("c", 3), ("a", 3)]
     for label, (outputs, stats, seconds) in done.items():  # each run's prompts in prompt order, its own time only
         assert outputs == [[i, label] for i in range(4)] and stats == [f"{label}{i}" for i in range(4)] and seconds > 0
+    assert interleaved_round({}, [[0]]) == {}  # every run already measured (a resumed eval)
 
 
 def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs, tmp_path):

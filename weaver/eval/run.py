@@ -11,7 +11,7 @@ passes (1 for autoregressive decoding). A budget may be `auto` (`weaver.budget`)
 from eval.auto_budget.candidates by measured cost and running acceptance.
 
 One process loads the models once and runs every dataset x method x budget of its config (so budgets
-share the model load and compilation); a Hydra multirun (`python eval.py -m eval.temperature=0,1`) runs one
+share the model load and compilation), a dataset's runs interleaved prompt by prompt (`interleaved_round`); a Hydra multirun (`python eval.py -m eval.temperature=0,1`) runs one
 process per combination, all appending to the same results.jsonl. After each run, summary.csv,
 summary.md and the figures are rebuilt from every row in the file (`weaver.eval.results`).
 """
@@ -101,16 +101,24 @@ def load_models(cfg: DictConfig) -> tuple[Models, Any]:
     return models, tokenizer
 
 
-def decode_all(prompts: list[list[int]], decode, desc: str) -> tuple[list[list[int]], list, float]:
-    """Run `decode(prompt) -> (tokens, stats)` on every prompt; (outputs, stats, seconds spent decoding)."""
-    outputs, stats, seconds = [], [], 0.0
-    for prompt in tqdm(prompts, desc=desc, leave=False):
-        start = time.perf_counter()
-        tokens, info = decode(prompt)
-        seconds += time.perf_counter() - start
-        outputs.append(tokens)
-        stats.append(info)
-    return outputs, stats, seconds
+def interleaved_round(decoders: dict[Any, Callable], prompts: list[list[int]], shift: int = 0,
+                      desc: str = "prompts") -> dict[Any, tuple[list[list[int]], list, float]]:
+    """Every prompt through every `decode(prompt) -> (tokens, stats)`, prompt by prompt, the decoders' order rotated
+    from one prompt to the next (and by `shift`), so that a drift in the machine's speed hits every run alike:
+    {key: (outputs, stats, seconds spent decoding)}."""
+    keys = list(decoders)
+    if not keys:
+        return {}
+    outputs, stats, seconds = ({k: [] for k in keys}, {k: [] for k in keys}, dict.fromkeys(keys, 0.0))
+    for i, prompt in enumerate(tqdm(prompts, desc=desc, leave=False)):
+        first = (shift + i) % len(keys)
+        for key in keys[first:] + keys[:first]:
+            start = time.perf_counter()
+            tokens, info = decoders[key](prompt)
+            seconds[key] += time.perf_counter() - start
+            outputs[key].append(tokens)
+            stats[key].append(info)
+    return {k: (outputs[k], stats[k], seconds[k]) for k in keys}
 
 
 def ar_decoder(models: Models, cfg: DictConfig, eos: int | None) -> Callable[[list[int]], tuple[list[int], None]]:
@@ -133,10 +141,10 @@ def ar_summary(outputs: list[list[int]], seconds: float) -> dict:
             "outputs": outputs}
 
 
-def run_ar(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None) -> dict:
-    """The timed baseline and, at temperature 0, the greedy reference (`greedy_reference` where the baseline is
-    compiled; the AR row's own greedy_match says whether the compiled baseline agreed)."""
-    outputs, _, seconds = decode_all(prompts, ar_decoder(models, cfg, eos), "ar")
+def ar_result(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, outputs: list[list[int]],
+              seconds: float) -> dict:
+    """The AR row and, at temperature 0, the greedy reference (`greedy_reference` where the baseline is compiled;
+    the AR row's own greedy_match says whether the compiled baseline agreed)."""
     reference = outputs
     if cfg.eval.compile and cfg.eval.temperature == 0:
         reference = greedy_reference(models, prompts, cfg, eos)
@@ -165,12 +173,6 @@ def speculative_summary(outputs: list[list[int]], stats: list[SpecStats], second
         "budget_steps": dict(sorted(Counter(total.budgets).items())),  # steps taken at each budget
         "accept_hist": torch.bincount(torch.tensor(total.accepted, dtype=torch.long), minlength=block_size).tolist(),
     }
-
-
-def run_speculative(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, method: str,
-                    budget: int | str) -> dict:
-    outputs, stats, seconds = decode_all(prompts, speculative_run(models, cfg, eos, method, budget), f"{method}@{budget}")
-    return speculative_summary(outputs, stats, seconds, models["drafter"].cfg.block_size)
 
 
 def speculative_decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, generator: torch.Generator | None,
@@ -278,16 +280,20 @@ def check_names(cfg: DictConfig) -> None:
 
 def evaluate_dataset(cfg: DictConfig, dataset: str, prompts: list[list[int]], models: Models, eos: int | None,
                      partial: PartialRun, bar: tqdm) -> list[dict]:
-    """Every (method, budget) of the config on one prompt set; AR first, as the others' baseline. Each
-    measurement is kept in `partial` as soon as it is done, and taken from there when a killed run reruns."""
-    results = {}
-    for method in sorted(cfg.eval.methods, key=lambda m: m != "ar"):
-        for budget in method_spec(method).budgets(cfg, models):
-            bar.set_postfix_str(f"{dataset} {method}" + (f"@{budget}" if budget is not None else ""))
-            results[method, budget] = partial.get(dataset, method, budget) or partial.put(dataset, method, budget, (
-                run_ar(models, prompts, cfg, eos) if method == "ar" else run_speculative(models, prompts, cfg, eos, method, budget)
-            ))
-            bar.update(1)
+    """Every (method, budget) of the config on one prompt set, interleaved prompt by prompt (`interleaved_round`),
+    so that each row's speedup over AR compares decodes of the same minutes. The measurements are kept in
+    `partial` when the set is done, and taken from there when a killed run reruns."""
+    runs = [(m, b) for m in sorted(cfg.eval.methods, key=lambda m: m != "ar") for b in method_spec(m).budgets(cfg, models)]
+    results = {run: saved for run in runs if (saved := partial.get(dataset, *run)) is not None}
+    decoders = {(m, b): ar_decoder(models, cfg, eos) if m == "ar" else speculative_run(models, cfg, eos, m, b)
+                for m, b in runs if (m, b) not in results}
+    bar.set_postfix_str(f"{dataset}: {len(decoders)} runs interleaved")
+    for (method, budget), (outputs, stats, seconds) in interleaved_round(decoders, prompts, desc=dataset).items():
+        result = (ar_result(models, prompts, cfg, eos, outputs, seconds) if method == "ar"
+                  else speculative_summary(outputs, stats, seconds, models["drafter"].cfg.block_size))
+        results[method, budget] = partial.put(dataset, method, budget, result)
+    bar.update(len(runs))
+    results = {run: results[run] for run in runs}  # AR first, the config's order
     ar = results.get(("ar", None))
     reference = None
     if "transformers" in models and cfg.eval.temperature == 0:
