@@ -137,8 +137,8 @@ def greedy_reference(models: Models, prompts: list[list[int]], cfg: DictConfig, 
 
 def ar_summary(outputs: list[list[int]], seconds: float) -> dict:
     """The AR row's τ (1), tokens/s and outputs."""
-    return {"tau": 1.0, "tokens_per_s": sum(map(len, outputs)) / seconds, "n_tokens": sum(map(len, outputs)),
-            "outputs": outputs}
+    n_tokens = sum(map(len, outputs))
+    return {"tau": 1.0, "tokens_per_s": n_tokens / seconds, "n_tokens": n_tokens, "outputs": outputs}
 
 
 def ar_result(models: Models, prompts: list[list[int]], cfg: DictConfig, eos: int | None, outputs: list[list[int]],
