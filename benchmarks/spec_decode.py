@@ -15,7 +15,8 @@ overrides (prompt sets, n_prompts, max_new_tokens, ...). A round decodes every p
 once per run (each run's generator and `auto` planner carried from prompt to prompt, fresh each round). The
 table gives τ, median tokens/s, the medians of the per-round ratios to AR (their range in brackets) and to the
 chain (the chain's best run), efficiency (speedup over AR / τ: the share of τ that reaches wall-clock), and
-where a step's time goes (`weaver.engine.PHASES`; other = prefill and the loop's bookkeeping). At
+where a decode's time goes (`weaver.engine.PHASES`: the prompt's prefill, then the steps' phases; other = the loop's
+bookkeeping). At
 temperature 0 every run's tokens must equal eager greedy AR decoding's (checked; the timed AR may be compiled).
 """
 
@@ -124,8 +125,8 @@ def main() -> None:
     print(f"{cfg.experiment}: {len(prompts)} prompts ({', '.join(e.datasets)}) x {e.max_new_tokens} new tokens, "
           f"temperature {e.temperature}, AR {f'compiled ({e.compile})' if e.compile else 'eager'}, median of {args.repeats} rounds, "
           f"cpu {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
-    print("| run | τ | tokens/s | vs AR | vs chain | efficiency | draft | search | verify | accept | commit | other |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | τ | tokens/s | vs AR | vs chain | efficiency | " + " | ".join(k.removesuffix("_share") for k in SHARES) + " |")
+    print("|---" * (6 + len(SHARES)) + "|")
     for r in rows:
         name = f"**{r['run']}**" if r.get("best") and args.best else r["run"]
         if r["budget"] == "auto":

@@ -9,9 +9,12 @@ After a prefill of --context pseudo-random tokens, times `TargetModel.verify` on
 --repeats rounds; medians. --both-linears times every forward twice, with prepacked weights and with
 `F.linear` (`eval.prepack`, weaver/models/linear.py), interleaved; --invariant-rows 8 16 times every forward
 once per row count of lossless bf16's fixed-size matmul calls (`INVARIANT_ROWS`; with model.dtype=bfloat16 on
-a CPU). Arguments other than the options are eval.py overrides (model, dtype, device).
+a CPU). --prefill N ... also times a prompt of N pseudo-random tokens read as decoders read it (`TargetModel.prefill`,
+bf16's fast kernels) and read exactly (as a verify pass reads its nodes). Arguments other than the options are
+eval.py overrides (model, dtype, device).
 
     python benchmarks/verify_cost.py +experiment=smollm2 model.dtype=bfloat16 --sizes 5 9 17 33 --invariant-rows 8 16
+    python benchmarks/verify_cost.py +experiment=smollm2 model.dtype=bfloat16 --sizes 9 --prefill 64 128
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--both-linears", action="store_true", help="each forward with and without prepacked weights")
     parser.add_argument("--invariant-rows", type=int, nargs="+", help="each forward with bf16 matmul calls of these rows")
+    parser.add_argument("--prefill", type=int, nargs="+", default=[], help="also time prompts of these lengths")
     args, overrides = parser.parse_known_args()
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
         cfg = compose("eval", overrides=[*overrides, "eval.methods=[ar]"])
@@ -88,6 +92,10 @@ def main() -> None:
 
     runs = {"decode (eager)": lambda: target(prompt[:, :1], cache), "decode (compiled)": lambda: step(prompt[:, :1], cache),
             **{f"verify {size}": (lambda tree=tree: target.verify(tree, cache)) for size, tree in trees.items()}}
+    for n in args.prefill:
+        ids = torch.randint(target.cfg.vocab_size, (1, n), generator=generator).to(device)
+        runs |= {f"prefill {n}": lambda ids=ids: target.prefill(ids, target.new_cache(1, ids.shape[1])),
+                 f"prefill {n} (exact)": lambda ids=ids: target(ids, target.new_cache(1, ids.shape[1]), logits_to_keep=1)}
     if cfg.eval.compile:
         runs |= {f"verify {size} (compiled)": (lambda tree=tree: target.verify(tree, cache, compiled=cfg.eval.compile))
                  for size, tree in trees.items()}

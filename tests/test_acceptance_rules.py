@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weaver.acceptance import greedy_tree, recursive_rejection_tree
+from weaver.acceptance import argmax, greedy_tree, recursive_rejection_tree
 from weaver.builders import marginal_logprobs
 from weaver.search import best_first_tree
 from weaver.tree import Tree
@@ -192,3 +192,15 @@ def test_rejection_sampling_needs_drawn_children():
     gen = torch.Generator().manual_seed(5)
     samples, _ = first_two_tokens(recursive_rejection_tree, log_p, q, 1.0, 0, BROKEN_TRIALS, gen, 3, 6, drawn=False)
     assert chi_square(samples, log_p, 1.0, 0) > CHI2_CRIT_DF15
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_argmax_is_torchs_argmax_ties_included(dtype):
+    """The greedy token everywhere (AR, greedy acceptance, the chain): the first maximal index, as `torch.argmax`;
+    integer-valued logits tie in most rows."""
+    gen = torch.Generator().manual_seed(0)
+    ties = torch.randint(-2, 3, (256, 997), generator=gen).to(dtype)
+    wide = torch.randn(9, 49152, generator=gen).to(dtype)
+    for logits in (ties, wide, ties[:, 5:].t(), wide[0]):
+        assert torch.equal(argmax(logits), logits.argmax(-1))
+

@@ -101,15 +101,16 @@ def test_best_budget_sweep_writes_rows(smoke_outputs, tmp_path):
     steps = {int(b): n for b, n in auto["budget_steps"].items()}  # one round: its mix gives its mean budget
     assert sum(b * n for b, n in steps.items()) / sum(steps.values()) == pytest.approx(auto["mean_budget"])
     assert "(mean budget" in done.stdout and "; steps at " in done.stdout
-    assert sum(auto[f"{p}_share"] for p in ("draft", "search", "verify", "accept", "commit", "other")) == pytest.approx(1)
+    assert sum(auto[f"{p}_share"] for p in ("prefill", "draft", "search", "verify", "accept", "commit", "other")) == pytest.approx(1)
 
 
 def test_verify_cost_benchmark_runs(smoke_outputs):
     done = run_script("benchmarks/verify_cost.py", smoke_outputs, "+experiment=smoke", "--sizes", "2", "5",
-                      "--context", "16", "--repeats", "1", "eval.compile=false")
+                      "--context", "16", "--repeats", "1", "eval.compile=false", "--prefill", "12")
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows == ["forward", "decode (eager)", "decode (compiled)", "verify 2", "verify 5"]
+    assert rows == ["forward", "decode (eager)", "decode (compiled)", "verify 2", "verify 5", "prefill 12",
+                    "prefill 12 (exact)"]
     done = run_script("benchmarks/verify_cost.py", smoke_outputs, "+experiment=smoke", "--sizes", "2", "--context", "16",
                       "--repeats", "1", "eval.compile=false", "--both-linears")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -53,10 +53,10 @@ def bf16_hybrid(tmp_path_factory):
 
 
 def decode_path(target, context: torch.Tensor, tokens: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-    """Logits after each of `tokens`, decoded one at a time after `context`'s prefill."""
+    """Logits after each of `tokens`, decoded one at a time after `context`'s prefill (as `generate` decodes)."""
     step = target.decode_fn(compiled)
     cache = target.new_cache(1, context.shape[1] + len(tokens) + 1)
-    step(context, cache, logits_to_keep=1)
+    target.prefill(context, cache)
     return torch.cat([step(t.view(1, 1), cache).logits[0] for t in tokens])
 
 
@@ -82,7 +82,7 @@ def check_tree_against_decoding(bf16_target, T: int, shape: str) -> None:
     context = torch.randint(3, VOCAB, (1, 37), generator=gen)  # a prefill over 32 rows: chunked too
     tree = random_tree(T, gen, shape)
     cache = bf16_target.new_cache(1, 128)
-    bf16_target(context, cache)
+    bf16_target.prefill(context, cache)
     out, _ = bf16_target.verify(tree, cache)
     for node in range(T):
         decoded = decode_path(bf16_target, context, tree.tokens[tree.path_to(node)])[-1]
@@ -98,7 +98,7 @@ def test_compiled_decode_and_verify_are_bitwise_eager_decoding(bf16_target):
     eager = decode_path(bf16_target, context, tokens)
     assert torch.equal(decode_path(bf16_target, context, tokens, compiled=True), eager)
     cache = bf16_target.new_cache(1, 128)
-    bf16_target(context, cache)
+    bf16_target.prefill(context, cache)
     out, _ = bf16_target.verify(Tree.chain(tokens), cache, compiled=True)
     assert torch.equal(out.logits[0], eager[:40])
 
@@ -119,6 +119,22 @@ def test_greedy_speculation_in_bf16_equals_bf16_autoregressive_decoding(request,
         out, _ = speculative_generate(bf16_target, drafter, prompt, 40, temperature=0, method=method, budget=budget,
                                       compiled=kind == "hybrid")
         assert out == reference, f"prompt of {n} tokens"
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_the_prefill_reads_the_prompt_with_the_fast_kernels(request, kind):
+    """One matmul call per product and bf16 math for the prompt (its cache still float64): not the exact path's
+    logits, the fast kernels' (every decoder reads a prompt this way, so AR and speculation still agree: above)."""
+    target = request.getfixturevalue("bf16_target" if kind == "attention" else "bf16_hybrid")
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(6))
+    prefilled = target.prefill(ids, cache := target.new_cache(1, 48)).logits[0, -1]
+    exact = target(ids, target.new_cache(1, 48), logits_to_keep=1).logits[0, -1]
+    fast_cache = target.new_cache(1, 48)  # float64, as the engine's
+    with exact_bf16(False):
+        fast = target(ids, fast_cache, logits_to_keep=1).logits[0, -1]
+    assert {k.dtype for k in cache.keys if k is not None} == {torch.float64} and cache.length == 40
+    assert torch.equal(prefilled, fast) and not torch.equal(prefilled, exact)
 
 
 @torch.inference_mode()

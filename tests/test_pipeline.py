@@ -129,7 +129,8 @@ def test_eval_writes_result_rows(smoke_eval):
     chain = rows["heldout_code", "chain", 7]  # the drafter trained by the smoke pipeline, verified losslessly
     assert chain["greedy_match"] is True and chain["tau"] >= 1.0 and chain["speedup_vs_ar"] > 0
     assert sum(chain["accept_hist"]) > 0 and 0 < chain["draft_share"] < 1 and 0 < chain["verify_share"] < 1
-    split = [chain[f"{phase}_share"] for phase in ("draft", "search", "verify", "accept", "commit", "other")]
+    assert 0 < chain["prefill_share"] < 1  # the prompt's read, timed apart from the steps
+    split = [chain[f"{phase}_share"] for phase in ("prefill", "draft", "search", "verify", "accept", "commit", "other")]
     assert all(0 <= share < 1 for share in split[:-1]) and sum(split) == pytest.approx(1)
     assert all(r["greedy_match"] for r in rows.values())  # every builder and budget reproduces AR greedy
     assert {("ddtree", 2), ("ddtree", 4), ("ddtree", "auto"), ("weaver", "auto"), ("chain", "auto")} <= {(m, b) for _, m, b in rows}

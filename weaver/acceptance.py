@@ -45,10 +45,16 @@ def check_finite(
             raise WeaverError(f"{what} contain {'NaN' if nan else 'inf'} {where}: {hint}")
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` (the first maximal index, as documented for both) read from `max`, which a CPU runs about 4x
+    faster: 48 against 189 us for one row of SmolLM2's 49,152 bf16 logits, 0.2 against 0.9 ms for a 9-node verify's."""
+    return logits.max(-1).indices
+
+
 def greedy_tree(tree: Tree, target_logits: torch.Tensor) -> tuple[int, int]:
     """(accepted leaf node, bonus token): from the anchor (node 0), follow the child holding the target's
     argmax while there is one; the target's argmax at the last node reached is the bonus."""
-    choice = target_logits.argmax(-1).tolist()
+    choice = argmax(target_logits).tolist()
     node = 0
     while True:
         child = tree.child(node, choice[node])

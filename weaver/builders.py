@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from weaver.acceptance import argmax
 from weaver.errors import WeaverError
 from weaver.models.adapter import AdapterCache, WeaverAdapter, draft_pools, expansion_batch
 from weaver.models.compile import Compile
@@ -107,9 +108,9 @@ def chain_tree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: 
     log_marginals = (draft_logits[:n].float() / temperature).log_softmax(-1)
     if generator is not None:
         uniform = torch.rand(log_marginals.shape, generator=generator, device=generator.device).to(log_marginals.device)
-        drafts = (log_marginals - (-uniform.log()).log()).argmax(-1)
+        drafts = argmax(log_marginals - (-uniform.log()).log())
     else:
-        drafts = log_marginals.argmax(-1)
+        drafts = argmax(log_marginals)
     nodes = torch.arange(n, device=draft_logits.device)  # node i (depth i) is expanded by row i
     return Proposal(Tree.chain(torch.cat([drafts.new_full((1,), anchor), drafts])), [(nodes, log_marginals, None)],
                     draft_logits.shape[-1])

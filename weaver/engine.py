@@ -28,9 +28,10 @@ from weaver.models.drafter import Drafter, check_pair
 from weaver.models.target import TargetModel, verify_size
 from weaver.search import Proposal
 
-# Where a step's time goes: the drafter's block, the tree search (the adapter's calls for Weaver), the
-# target's verify pass, the acceptance rule, and committing the path (target cache + drafter context).
-PHASES = ("draft", "search", "verify", "accept", "commit")
+# Where a decode's time goes: reading the prompt (the target's prefill, the drafter's context), then per step the
+# drafter's block, the tree search (the adapter's calls for Weaver), the target's verify pass, the acceptance rule,
+# and committing the path (target cache + drafter context).
+PHASES = ("prefill", "draft", "search", "verify", "accept", "commit")
 
 
 @dataclass
@@ -163,7 +164,9 @@ def speculative_generate(
     max_len = len(prompt) + max_new_tokens + verify_size(max(block, max_budget + 1))  # + verify's scratch slots
     cache, context = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
     ids = torch.tensor([prompt], device=device)
-    out = target(ids, cache, tap_layers=taps, logits_to_keep=1)
+    stats = SpecStats()
+    clock = PhaseClock(stats.seconds, device)
+    out = target.prefill(ids, cache, tap_layers=taps)
     check_finite(out.logits, "the target's logits", f"at the prefill ({len(prompt)} prompt tokens)")
     drafter.extend_context(context, out.taps, torch.arange(len(prompt), device=device)[None])
     anchor, hidden = sample_next(out.logits[:, -1], temperature, generator), out.hidden[0, -1]
@@ -171,8 +174,8 @@ def speculative_generate(
     drawn = rule is not None and rule.draws_trees
     tree_temperature = (draft_temperature or temperature) if drawn else 1.0
     scored_by_adapter = "adapter" in tree_method(method).needs
-    new, stats = [int(anchor)], SpecStats()
-    clock = PhaseClock(stats.seconds, device)
+    new = [int(anchor)]
+    clock.lap("prefill")
     while len(new) < max_new_tokens and new[-1] != eos_token_id:
         step_budget = planner.next_budget() if planner else budget
         clock.lap("commit")  # the bookkeeping since the last step

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from weaver.acceptance import argmax
 from weaver.errors import WeaverError
 from weaver.models.compile import Compile
 from weaver.models.config import check_prompt
@@ -18,7 +19,7 @@ from weaver.models.target import TargetModel
 def sample_next(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token per row from logits (B, V): argmax at temperature 0, else a draw from softmax(logits / T)."""
     if temperature <= 0:
-        return logits.argmax(-1)
+        return argmax(logits)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -56,7 +57,7 @@ def generate(
     device = model.embed.weight.device
     ids, mask = left_pad(prompts, pad_id=0, device=device)
     cache = model.new_cache(len(prompts), ids.shape[1] + max_new_tokens)
-    logits = model(ids, cache, attention_mask=mask, logits_to_keep=1).logits[:, -1]
+    logits = model.prefill(ids, cache, attention_mask=mask).logits[:, -1]
     out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     n = 0

@@ -43,7 +43,7 @@ MACRO_FIELDS = ("tau", "tokens_per_s", "speedup_vs_ar")
 SUMMARY_COLUMNS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "priority", "draft_temperature",
                    "seed", "backend", "concurrency", "n_seeds", "tau",
                    "tau_std_over_seeds", "tokens_per_s", "speedup_vs_ar",
-                   "greedy_match", "matches_transformers", "mean_budget", "draft_share", "search_share", "verify_share",
+                   "greedy_match", "matches_transformers", "mean_budget", "prefill_share", "draft_share", "search_share", "verify_share",
                    "accept_share", "commit_share", "other_share", "n_prompts", "n_tokens", "prompt_tokens", "max_new_tokens")
 
 

@@ -4,8 +4,9 @@ Row fields (results.jsonl): experiment, dataset, method, budget, temperature, ba
 engine; "sglang": `eval.backend=sglang`, weaver/eval/sglang_backend.py), concurrency, tau, tokens_per_s,
 speedup_vs_ar, n_prompts, n_tokens, greedy_match (= our eager greedy AR decode's tokens), matches_transformers (= transformers'
 own greedy `generate` on the same weights; with eval.check_transformers), prompt_tokens, max_new_tokens, and for speculative
-methods the time split (draft_share, search_share, verify_share, accept_share, commit_share, other_share:
-shares of decoding time, `weaver.engine.PHASES`; other = prefill and the loop's own bookkeeping), mean_budget
+methods the time split (prefill_share, draft_share, search_share, verify_share, accept_share, commit_share,
+other_share: shares of decoding time, `weaver.engine.PHASES`; other = the caches' allocation and the loop's own
+bookkeeping), mean_budget
 and accept_hist (verify steps by number of accepted draft tokens). tau = committed tokens / target forward
 passes (1 for autoregressive decoding). A budget may be `auto` (`weaver.budget`): each step's budget is chosen
 from eval.auto_budget.candidates by measured cost and running acceptance.
