@@ -1,6 +1,8 @@
 """Autoregressive decoding with our target model: the baseline every speedup is measured against.
 
-Batched prompts are left-padded (exact for attention and GDN layers, see `weaver.models.cache`).
+Batched prompts are left-padded (exact for attention and GDN layers, see `weaver.models.cache`) and read together by
+`TargetModel.prefill`; in bf16 on a CPU that read uses the fast kernels, so a prompt's first token may depend on its
+batch there (as fp32 products always may); batch 1, which the evaluation and the engine use, reads it alone.
 """
 
 from __future__ import annotations
