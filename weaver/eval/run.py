@@ -12,8 +12,9 @@ passes (1 for autoregressive decoding). A budget may be `auto` (`weaver.budget`)
 from eval.auto_budget.candidates by measured cost and running acceptance.
 
 One process loads the models once and runs every dataset x method x budget of its config (so budgets
-share the model load and compilation), a dataset's runs interleaved prompt by prompt (`interleaved_round`); a Hydra multirun (`python eval.py -m eval.temperature=0,1`) runs one
-process per combination, all appending to the same results.jsonl. After each run, summary.csv,
+share the model load and compilation), a dataset's runs interleaved prompt by prompt (`interleaved_round`); a
+Hydra multirun (`python eval.py -m eval.temperature=0,1`) runs one process per combination, all appending to the
+same results.jsonl. After each run, summary.csv,
 summary.md and the figures are rebuilt from every row in the file (`weaver.eval.results`).
 """
 
