@@ -382,6 +382,14 @@ def test_the_nan_check_raises_only_for_nan_or_inf():
     """The per-step check sums the logits first: an overflowing sum of finite values is no false alarm, and a
     bf16 model's error suggests float32."""
     check_finite(torch.full((4, 8), 3e38), "logits", "here")  # the sum overflows; every value is finite
+    lowest = torch.finfo(torch.bfloat16).min  # a reduced draft vocabulary's other tokens
+    check_finite(torch.tensor([[lowest] * 5 + [2.0]] * 3, dtype=torch.bfloat16), "logits", "here")
+    for bad in (math.inf, -math.inf, math.nan):  # wherever it sits among the sentinels and however the sum ends
+        for at in (0, 3, 5):
+            row = torch.tensor([lowest] * 5 + [2.0])
+            row[at] = bad
+            with pytest.raises(WeaverError, match="NaN" if bad != bad else "inf"):
+                check_finite(row, "logits", "here")
     check_finite(torch.tensor([-math.inf, 0.0]), "scores", "here", nan_only=True)  # -inf scores are allowed there
     with pytest.raises(WeaverError, match=r"logits contain inf here: an overflow in bfloat16 or broken weights: try "
                                           r"model.dtype=float32"):

@@ -16,6 +16,8 @@ from test_tree_verify import random_tree
 from weaver.engine import speculative_generate
 from weaver.generate import generate
 from weaver.models.checkpoint import load_target
+from weaver.models import linear
+from weaver.models.adapter import AdapterConfig, WeaverAdapter
 from weaver.models.drafter import Drafter
 from weaver.models.drafter_checkpoint import drafter_config, new_drafter_config
 from weaver.models.linear import exact_bf16, prepacked_weights
@@ -103,22 +105,67 @@ def test_compiled_decode_and_verify_are_bitwise_eager_decoding(bf16_target):
     assert torch.equal(out.logits[0], eager[:40])
 
 
-@torch.inference_mode()
-@pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 48)])
-@pytest.mark.parametrize("kind", ["attention", "hybrid"])
-def test_greedy_speculation_in_bf16_equals_bf16_autoregressive_decoding(request, kind, method, budget):
-    """Compiled too for the hybrid target (its decode and verify graphs)."""
-    bf16_target = request.getfixturevalue("bf16_target" if kind == "attention" else "bf16_hybrid")
+def bf16_drafter(target) -> Drafter:
     torch.manual_seed(1)
-    cfg = new_drafter_config(bf16_target, num_layers=1, block_size=16, mask_token_id=VOCAB - 1, num_taps=2)
-    drafter = Drafter(drafter_config(cfg)).eval().to(torch.bfloat16)
+    cfg = new_drafter_config(target, num_layers=1, block_size=16, mask_token_id=VOCAB - 1, num_taps=2)
+    return Drafter(drafter_config(cfg)).eval().to(torch.bfloat16)
+
+
+def bf16_adapter(target) -> WeaverAdapter:
+    torch.manual_seed(3)
+    adapter = WeaverAdapter(AdapterConfig(target.cfg.hidden_size, VOCAB, 15, 64, 1, 2, 128, 16, 32)).eval()
+    torch.nn.init.normal_(adapter.query.weight, std=0.5)  # a correction that reorders the pools
+    return adapter.to(torch.bfloat16)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method,budget,rescore", [("chain", None, None), ("ddtree", 48, None), ("weaver", 24, None),
+                                                   ("weaver", 15, 2)])
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_greedy_speculation_in_bf16_equals_bf16_autoregressive_decoding(request, kind, method, budget, rescore):
+    """Compiled too for the hybrid target (its decode and verify graphs). The drafter and the adapter propose
+    with the fast kernels; only the target is exact."""
+    bf16_target = request.getfixturevalue("bf16_target" if kind == "attention" else "bf16_hybrid")
+    drafter = bf16_drafter(bf16_target)
+    adapter = bf16_adapter(bf16_target) if method == "weaver" else None
     gen = torch.Generator().manual_seed(2)
     for n in (3, 40):
         prompt = torch.randint(3, VOCAB, (n,), generator=gen).tolist()
         reference = generate(bf16_target, [prompt], 40)[0]
         out, _ = speculative_generate(bf16_target, drafter, prompt, 40, temperature=0, method=method, budget=budget,
-                                      compiled=kind == "hybrid")
+                                      adapter=adapter, rescore=rescore, compiled=kind == "hybrid")
         assert out == reference, f"prompt of {n} tokens"
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_drafter_drafts_with_the_fast_kernels(bf16_target, compiled, monkeypatch):
+    """A draft only proposes, so a bf16 drafter skips the exact path (float64 math between matmuls): its block is
+    the fast kernels' and not the exact path's, and its context is read without the exact path too."""
+    drafter = bf16_drafter(bf16_target)
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
+    taps = bf16_target.prefill(ids, bf16_target.new_cache(1, 32), tap_layers=drafter.cfg.target_layer_ids).taps
+    settings, context = [], drafter.context
+    monkeypatch.setattr(drafter, "context", lambda taps: settings.append(linear.exact_bf16_enabled()) or context(taps))
+    drafter.extend_context(cache := drafter.new_cache(1, 32), taps, torch.arange(30)[None])
+    assert settings == [False] and linear.exact_bf16_enabled()
+    anchor, position = ids[:, -1], torch.tensor([30])
+    got = drafter.draft(bf16_target, cache, anchor, position, compiled=compiled).logits
+    with exact_bf16(False):
+        fast = drafter.block(bf16_target, cache, anchor, position, 15).logits
+    exact = drafter.block(bf16_target, cache, anchor, position, 15).logits
+    assert torch.equal(got, fast) and not torch.equal(got, exact)
+
+
+@torch.inference_mode()
+def test_the_weaver_search_scores_with_the_fast_kernels(bf16_target, monkeypatch):
+    """The adapter proposes too: every call it gets in a step runs without the exact path."""
+    drafter, adapter = bf16_drafter(bf16_target), bf16_adapter(bf16_target)
+    settings = []
+    score_nodes = adapter.score_nodes
+    monkeypatch.setattr(adapter, "score_nodes", lambda *a, **k: settings.append(linear.exact_bf16_enabled()) or score_nodes(*a, **k))
+    speculative_generate(bf16_target, drafter, [5, 6, 7], 6, method="weaver", budget=8, adapter=adapter)
+    assert settings and not any(settings) and linear.exact_bf16_enabled()
 
 
 @torch.inference_mode()

@@ -32,13 +32,16 @@ def check_finite(
     `setting` the error suggests changing.
 
     Cost: one sum over a tensor already computed and one host sync (the acceptance rules sync anyway). Any
-    NaN/inf element makes the sum non-finite, so a finite sum proves the tensor finite; only a non-finite
-    sum (a bad element, or, in theory, an overflowing sum) pays for the exact element-wise check, which is
-    ~50x slower on a CPU than the sum."""
+    NaN/inf element makes the sum non-finite, so a finite sum proves the tensor finite. A non-finite sum (a bad
+    element, or an overflowing sum: every draft from a reduced draft vocabulary, whose other tokens hold the
+    lowest finite logit) is settled by the extremes, one more pass (NaN propagates into both; finite extremes
+    prove every element finite), not by element-wise masks, which cost a CPU ~20x the sum (0.9 ms a SmolLM2
+    draft of 8 x 49,152 logits)."""
     total = values.sum()
     if bool(torch.isnan(total) if nan_only else ~torch.isfinite(total)):
-        nan = bool(torch.isnan(values).any())
-        if nan or (not nan_only and not bool(torch.isfinite(values).all())):
+        low, high = torch.aminmax(values)
+        nan = bool(torch.isnan(low))
+        if nan or (not nan_only and not bool(torch.isfinite(low) & torch.isfinite(high))):
             dtype = computed_in or values.dtype
             hint = ("the model's weights or activations are not finite" if dtype in (torch.float32, torch.float64)
                     else f"an overflow in {str(dtype).removeprefix('torch.')} or broken weights: try {setting}=float32")

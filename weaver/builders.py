@@ -30,6 +30,7 @@ from weaver.errors import WeaverError
 from weaver.models.adapter import AdapterCache, WeaverAdapter, draft_pools, expansion_batch
 from weaver.models.compile import Compile
 from weaver.models.drafter import Draft
+from weaver.models.linear import exact_bf16
 from weaver.search import ChildLogProbs, Grown, Proposal, best_first_tree
 from weaver.static_trees import best_paths_nodes, kept_parents, rescorer
 from weaver.tree import Tree
@@ -155,6 +156,7 @@ def oracle_tree(step: StepInputs, search: SearchConfig) -> Proposal:
                            priority=search.priority, device=target.embed.weight.device)
 
 
+@exact_bf16(False)  # the adapter only proposes: bf16's fast kernels, as the drafter's (weaver.models.drafter)
 def weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     """Best-first over the adapter's path-conditional distributions on the drafter's top-M pools.
 
