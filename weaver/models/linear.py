@@ -80,8 +80,9 @@ def exact_bf16_enabled() -> bool:
 def exact_bf16(enabled: bool) -> Iterator[None]:
     """Inside the block, bf16 inference on a CPU is (True, the default) or is not made row-invariant and exact
     (`weaver.models.layers.exact_math`, INVARIANT_ROWS). The data stages turn it off: they decode batches of
-    rollouts, where nothing is compared token for token and a batch of 32 rows would run as 4 calls; so does a
-    prompt's prefill (`TargetModel.prefill`), which every decoder runs alike."""
+    rollouts, where nothing is compared token for token and a batch of 32 rows would run as 4 calls; so do a
+    prompt's prefill (`TargetModel.prefill`), which every decoder runs alike, and the drafter and the Weaver
+    adapter, which only propose (`Drafter.draft`, `Drafter.extend_context`, `weaver.builders.weaver_tree`)."""
     global _exact
     before, _exact = _exact, enabled
     try:
