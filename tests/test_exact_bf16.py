@@ -137,6 +137,11 @@ def test_greedy_speculation_in_bf16_equals_bf16_autoregressive_decoding(request,
         assert out == reference, f"prompt of {n} tokens"
 
 
+def recording_exact_setting(fn, settings: list[bool]):
+    """`fn`, noting whether the exact path was on at each call."""
+    return lambda *args, **kwargs: settings.append(linear.exact_bf16_enabled()) or fn(*args, **kwargs)
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_drafter_drafts_with_the_fast_kernels(bf16_target, compiled, monkeypatch):
@@ -145,8 +150,8 @@ def test_the_drafter_drafts_with_the_fast_kernels(bf16_target, compiled, monkeyp
     drafter = bf16_drafter(bf16_target)
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
     taps = bf16_target.prefill(ids, bf16_target.new_cache(1, 32), tap_layers=drafter.cfg.target_layer_ids).taps
-    settings, context = [], drafter.context
-    monkeypatch.setattr(drafter, "context", lambda taps: settings.append(linear.exact_bf16_enabled()) or context(taps))
+    settings = []
+    monkeypatch.setattr(drafter, "context", recording_exact_setting(drafter.context, settings))
     drafter.extend_context(cache := drafter.new_cache(1, 32), taps, torch.arange(30)[None])
     assert settings == [False] and linear.exact_bf16_enabled()
     anchor, position = ids[:, -1], torch.tensor([30])
@@ -162,8 +167,7 @@ def test_the_weaver_search_scores_with_the_fast_kernels(bf16_target, monkeypatch
     """The adapter proposes too: every call it gets in a step runs without the exact path."""
     drafter, adapter = bf16_drafter(bf16_target), bf16_adapter(bf16_target)
     settings = []
-    score_nodes = adapter.score_nodes
-    monkeypatch.setattr(adapter, "score_nodes", lambda *a, **k: settings.append(linear.exact_bf16_enabled()) or score_nodes(*a, **k))
+    monkeypatch.setattr(adapter, "score_nodes", recording_exact_setting(adapter.score_nodes, settings))
     speculative_generate(bf16_target, drafter, [5, 6, 7], 6, method="weaver", budget=8, adapter=adapter)
     assert settings and not any(settings) and linear.exact_bf16_enabled()
 
