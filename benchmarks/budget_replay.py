@@ -57,7 +57,7 @@ def record_paths(models, tokenizer, cfg, method: str, largest: dict[int, float])
             paths: list[list[int]] = []
             expected: list[list[float]] = []
 
-            def on_step(proposal, leaf):
+            def on_step(proposal, leaf, logits):
                 paths.append(proposal.tree.path_to(leaf)[1:].tolist())
                 expected.append([round(x, 5) for x in proposal.path_probs()[1:].cumsum(0).tolist()])
 

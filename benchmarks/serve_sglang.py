@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from timing import write_json
 from weaver.serving.sglang.runs import CPU_ENGINE, run_engine, stand_ins_environment
 
 PROMPTS = (
@@ -77,8 +78,7 @@ def main() -> None:
     for r in results:
         print(f"{r['method']:8} {r['tau']:5.2f} {r['drafts_accepted']:6d} {r['tokens_per_s']:7.2f} "
               f"{r['tokens_per_s'] / results[0]['tokens_per_s']:7.2f}x  {r['ids'] == results[0]['ids']}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

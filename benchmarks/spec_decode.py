@@ -9,8 +9,9 @@ load hit all of them alike; medians over rounds.
 
 --best sweeps every budget of eval.budgets (and the chain's block, plus `auto` where eval.budgets has it)
 for each of --methods and marks each method's best. A run may set weaver.search for itself
-(weaver:8:rescore=4,nodes_per_call=2), or eval.auto_budget for itself (ddtree:auto:stepwise=1), so that
-settings are compared in one process. Arguments other than the options are eval.py
+(weaver:8:rescore=4,nodes_per_call=2), eval.auto_budget for itself (ddtree:auto:stepwise=1), or, at temperature > 0,
+its acceptance rule (ddtree:4:sampling=traversal; default eval.sampling), so that settings are compared in one
+process. Arguments other than the options are eval.py
 overrides (prompt sets, n_prompts, max_new_tokens, ...). A round decodes every prompt of every dataset
 once per run (each run's generator and `auto` planner carried from prompt to prompt, fresh each round). The
 table gives τ, median tokens/s, the medians of the per-round ratios to AR (their range in brackets) and to the
@@ -23,41 +24,48 @@ temperature 0 every run's tokens must equal eager greedy AR decoding's (checked;
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import Counter
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from timing import write_json
+from weaver.acceptance import SAMPLING_RULES
 from weaver.data.prompts import eval_prompts
 from weaver.eval.run import (SHARES, ar_decoder, ar_summary, greedy_reference, interleaved_round, load_models, method_spec,
                              speculative_run, speculative_summary, warm_up)
-from weaver.io import atomic_write_text
 from weaver.pipeline import ROOT_CONF
 
 
-def parse_run(text: str) -> tuple[str, int | str, dict[str, int]]:
-    """method:budget[:setting=value,...], settings of weaver.search or eval.auto_budget for this run only."""
+def parse_run(text: str) -> tuple[str, int | str, dict[str, int | str]]:
+    """method:budget[:setting=value,...], settings of weaver.search or eval.auto_budget (whole numbers) or the
+    acceptance rule (sampling=<rule>) for this run only."""
     method, _, rest = text.partition(":")
     budget, _, listed = rest.partition(":")
     settings = dict(item.partition("=")[::2] for item in listed.split(",") if item)
-    if not (budget.isdigit() or budget == "auto") or not all(v.isdigit() for v in settings.values()):
+    rule = settings.pop("sampling", None)
+    if (not (budget.isdigit() or budget == "auto") or not all(v.isdigit() for v in settings.values())
+            or (rule is not None and rule not in SAMPLING_RULES)):
         raise SystemExit(f"--runs entries are method:budget[:setting=N,...] (e.g. weaver:8, weaver:auto or "
-                         f"weaver:4:rescore=4), got '{text}'")
-    return method, int(budget) if budget.isdigit() else budget, {k: int(v) for k, v in settings.items()}
+                         f"weaver:4:rescore=4), or :sampling=<{'|'.join(SAMPLING_RULES)}>, got '{text}'")
+    return method, int(budget) if budget.isdigit() else budget, {
+        **{k: int(v) for k, v in settings.items()}, **({"sampling": rule} if rule else {})}
 
 
-def with_settings(cfg: DictConfig, settings: dict[str, int]) -> DictConfig:
+def with_settings(cfg: DictConfig, settings: dict[str, int | str]) -> DictConfig:
     """cfg with a run's own settings: eval.auto_budget's by their names (stepwise=1 compares `auto`'s planners
-    in one process), the rest weaver.search's (unknown names are refused by the config's schema)."""
+    in one process), `sampling` as eval.sampling, the rest weaver.search's (unknown names are refused by the
+    config's schema)."""
     auto = {k: v for k, v in settings.items() if k in cfg.eval.auto_budget}
-    search = {k: v for k, v in settings.items() if k not in auto}
-    return OmegaConf.merge(cfg, {"weaver": {"search": search}, "eval": {"auto_budget": auto}}) if search or auto else cfg
+    rule = {k: v for k, v in settings.items() if k == "sampling"}
+    search = {k: v for k, v in settings.items() if k not in auto and k not in rule}
+    if not settings:
+        return cfg
+    return OmegaConf.merge(cfg, {"weaver": {"search": search}, "eval": {"auto_budget": auto, **rule}})
 
 
 def round_ratios(speed: dict[str, list[float]], label: str, base: str) -> list[float]:
@@ -138,9 +146,7 @@ def main() -> None:
         spread = f" ({min(r['vs_ar_rounds']):.2f}-{max(r['vs_ar_rounds']):.2f})" if len(r.get("vs_ar_rounds", [])) > 1 else ""
         print(f"| {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x{spread} | {vs_chain} | "
               f"{r['efficiency']:.2f} | {split} |")
-    if args.out:
-        atomic_write_text(Path(args.out), json.dumps(rows, indent=1) + "\n")
-        print(f"rows: {args.out}")
+    write_json(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -13,17 +13,14 @@ weaver.search for itself as in `spec_decode.py` (weaver:16:rescore=2).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 
 from spec_decode import parse_run, with_settings
-from timing import print_table_header
+from timing import print_table_header, write_json
 from weaver.data.prompts import eval_prompts
 from weaver.eval.run import load_models, speculative_decoder
-from weaver.io import atomic_write_text
 from weaver.pipeline import ROOT_CONF
 from weaver.search import Proposal
 
@@ -69,7 +66,7 @@ def main() -> None:
     for label, (method, budget, settings) in runs.items():
         edges: list[tuple[torch.Tensor, torch.Tensor]] = []
         decode = speculative_decoder(models, with_settings(cfg, settings), method, tokenizer.eos_token_id, None,
-                                     on_step=lambda proposal, leaf: edges.append(reached_edges(proposal, leaf)))
+                                     on_step=lambda proposal, leaf, logits: edges.append(reached_edges(proposal, leaf)))
         steps = sum(len(decode(prompt, budget)[1].accepted) for prompt in prompts)
         probs, accepted = (torch.cat(x) for x in zip(*edges))
         results[label] = {"tau": 1 + int(accepted.sum()) / steps, "bins": calibration_rows(probs, accepted)}
@@ -78,8 +75,7 @@ def main() -> None:
         for row in results[label]["bins"]:
             lo, hi = row["bin"]
             print(f"| {lo:.2f}-{hi:.2f} | {row['nodes']} | {row['predicted']:.3f} | {row['accepted']:.3f} |")
-    if args.out:
-        atomic_write_text(Path(args.out), json.dumps(results, indent=1) + "\n")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

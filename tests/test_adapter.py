@@ -273,7 +273,7 @@ def accept_every_draft(tree, logits, proposal, temperature, generator, observe=N
     return leaf, int(bonus)
 
 
-@pytest.mark.parametrize("sampling", ["rrs", "target_only"])
+@pytest.mark.parametrize("sampling", ["rrs", "traversal", "target_only"])
 def test_weaver_sampling_reproduces_the_target_distribution(target, drafter, sampling):
     torch.manual_seed(3)
     adapter = make_adapter(target, pool_size=VOCAB)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -9,10 +10,12 @@ import sys
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
 from conftest import run_script
 from test_pipeline import ROOT
 from weaver.eval.run import interleaved_round
+from weaver.pipeline import ROOT_CONF
 
 
 def test_gdn_tree_verify_benchmark_runs():
@@ -35,6 +38,50 @@ def test_speculative_decoding_benchmark_runs(smoke_outputs):
     assert "budget auto, chain (stepwise): ms per step" in done.stdout and "budget auto, chain: ms per step" in done.stdout
     weaver = next(line for line in done.stdout.splitlines() if line.startswith("| weaver:4 |"))
     assert re.search(r"\| [\d.]+x \([\d.]+-[\d.]+\) \|", weaver)  # two rounds: the per-round ratios' range
+
+
+def test_sampling_rules_benchmark_runs(smoke_outputs, tmp_path):
+    """Every rule settles the same recorded steps: as many steps per rule, the first rule's ratio to itself 1."""
+    out = tmp_path / "rules.json"
+    done = run_script("benchmarks/sampling_rules.py", smoke_outputs, "+experiment=smoke", "eval.temperature=1",
+                      "--runs", "ddtree:4", "weaver:4", "--rules", "rrs", "traversal", "target_only", "--coins", "2",
+                      "--out", str(out), "eval.datasets=[heldout_code]", "eval.n_prompts=1", "eval.max_new_tokens=8",
+                      "eval.compile=false")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [(r["run"], r["rule"]) for r in rows] == [(run, rule) for run in ("ddtree:4", "weaver:4")
+                                                     for rule in ("rrs", "traversal", "target_only")]
+    for run in ("ddtree:4", "weaver:4"):
+        mine = [r for r in rows if r["run"] == run]
+        assert len({r["steps"] for r in mine}) == 1 and mine[0]["vs_first"] == pytest.approx(1.0)
+        assert all(0 <= r["accepted"] <= 4 and r["tau"] == pytest.approx(1 + r["accepted"]) for r in mine)
+    greedy = run_script("benchmarks/sampling_rules.py", smoke_outputs, "+experiment=smoke", "--runs", "ddtree:4")
+    assert greedy.returncode != 0 and "set eval.temperature > 0" in greedy.stderr
+
+
+def spec_decode_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as when run: the benchmarks import their shared helpers
+    spec = importlib.util.spec_from_file_location("spec_decode", ROOT / "benchmarks" / "spec_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_benchmark_run_may_set_its_acceptance_rule(monkeypatch):
+    """ddtree:4 against ddtree:4:sampling=traversal in one process: the rule reaches eval.sampling, other settings
+    stay where they were, and an unknown rule is refused before anything loads."""
+    bench = spec_decode_module(monkeypatch)
+    assert bench.parse_run("ddtree:4:sampling=traversal") == ("ddtree", 4, {"sampling": "traversal"})
+    method, budget, settings = bench.parse_run("weaver:8:rescore=2,sampling=rrs")
+    assert (method, budget, settings) == ("weaver", 8, {"rescore": 2, "sampling": "rrs"})
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        cfg = compose("eval", overrides=["+experiment=smoke"])
+    cfg_run = bench.with_settings(cfg, settings)
+    assert cfg_run.eval.sampling == "rrs" and cfg_run.weaver.search.rescore == 2
+    assert bench.with_settings(cfg, {"sampling": "traversal"}).eval.sampling == "traversal"
+    assert bench.with_settings(cfg, {}) is cfg
+    with pytest.raises(SystemExit, match="sampling=<rrs"):
+        bench.parse_run("ddtree:4:sampling=nope")
 
 
 def test_interleaved_round_rotates_the_runs_from_prompt_to_prompt():

@@ -31,8 +31,9 @@ FACTORIES = {"arange", "zeros", "ones", "full", "empty", "tensor", "as_tensor", 
 # and DDTree builders') scores, priorities and Gumbel noise (drawn with the caller's generator, on its device,
 # then moved).
 HOST_SIDE = {("weaver/kernels/dispatch.py", "check_trees"), ("weaver/kernels/dispatch.py", "check_leaves"),
-             ("weaver/acceptance.py", "recursive_rejection_tree")}
+             ("weaver/acceptance.py", "recursive_rejection_tree"), ("weaver/acceptance.py", "settle")}
 FP32_ON_PURPOSE = {("weaver/models/cache.py", "empty"), ("weaver/acceptance.py", "recursive_rejection_tree"),
+                   ("weaver/acceptance.py", "settle"),
                    ("weaver/search.py", "start"), ("weaver/search.py", "__init__"), ("weaver/search.py", "ranked_children"),
                    ("weaver/builders.py", "chain_tree"), ("weaver/static_trees.py", "best_paths_nodes"),
                    ("weaver/static_trees.py", "rescore_candidates")}
@@ -87,7 +88,7 @@ def test_decoding_creates_every_tensor_on_the_models_device_and_dtype(bf16_model
     with audit:
         generate(target, [[1, 2, 3], [4, 5]], 4)
         for method in ("chain", "ddtree", "weaver", "oracle"):
-            for temperature, sampling in ((0.0, "rrs"), (1.0, "rrs"), (1.0, "target_only")):
+            for temperature, sampling in ((0.0, "rrs"), (1.0, "rrs"), (1.0, "traversal"), (1.0, "target_only")):
                 speculative_generate(target, drafter, [1, 2, 3, 4], 8, temperature, None,  # budget 3: a chain's most
                                      torch.Generator().manual_seed(0), method, 3, adapter=adapter, sampling=sampling)
     assert not audit.no_device, f"tensors created without device=: {dict(audit.no_device)}"

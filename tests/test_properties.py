@@ -25,7 +25,7 @@ from cache_checks import ATOL, assert_cache_matches, assert_context_matches, cac
 from hf_tiny import VOCAB
 from test_adapter import BLOCK, as_step, make_adapter, step_inputs
 from test_engine import random_drafter
-from weaver.acceptance import greedy_tree, recursive_rejection_tree, target_only_tree
+from weaver.acceptance import greedy_tree, recursive_rejection_tree, target_only_tree, traversal_tree
 from weaver.builders import SearchConfig, StepInputs, chain_tree, ddtree, max_tree_nodes, oracle_tree, weaver_tree
 from weaver.models.drafter import Draft, Drafter
 from weaver.search import Proposal
@@ -121,16 +121,18 @@ def test_greedy_accepts_the_longest_argmax_path(problem):
     assert bonus == int(logits[leaf].argmax()) and tree.child(leaf, bonus) is None
 
 
-@given(problem=scored_trees(), rule=st.sampled_from(["rrs", "target_only"]), temperature=TEMPERATURES, seed=SEEDS)
+@given(problem=scored_trees(), rule=st.sampled_from(["rrs", "traversal", "target_only"]), temperature=TEMPERATURES,
+       seed=SEEDS)
 @settings(max_examples=500, deadline=None)
 def test_sampling_rules_accept_a_root_path(problem, rule, temperature, seed):
-    """recursive_rejection_tree and target_only_tree stop at a node on a root path and emit a token in the
-    vocabulary that none of that node's children holds (a held token would have moved on to that child)."""
+    """recursive_rejection_tree, traversal_tree and target_only_tree stop at a node on a root path and emit a token
+    in the vocabulary that none of that node's children holds (a held token would have moved on to that child)."""
     tree, logits = problem
     gen = torch.Generator().manual_seed(seed)
-    if rule == "rrs":
+    if rule in ("rrs", "traversal"):
         q = torch.randn(len(tree), logits.shape[-1], generator=gen).softmax(-1)
-        leaf, token = recursive_rejection_tree(tree, logits, dict(enumerate(q)), temperature, gen)
+        accept = recursive_rejection_tree if rule == "rrs" else traversal_tree
+        leaf, token = accept(tree, logits, dict(enumerate(q)), temperature, gen)
     else:
         leaf, token = target_only_tree(tree, logits, temperature, gen)
     assert_root_path(tree, leaf)

@@ -120,6 +120,51 @@ def recursive_rejection_tree(
             return node, int(torch.multinomial(p, 1, generator=generator))
 
 
+def traversal_tree(
+    tree: Tree, target_logits: torch.Tensor, child_probs: dict[int, torch.Tensor], temperature: float,
+    generator: torch.Generator | None = None, observe: Observer | None = None,
+) -> tuple[int, int]:
+    """(accepted leaf node, next token): traversal verification (Weng et al., 2025), which on a chain is the block
+    verification of Sun et al. (2024), for the trees `recursive_rejection_tree` verifies (children drawn in order
+    without replacement from q = child_probs[node]).
+
+    Recursive rejection sampling settles a node before looking below it; traversal weighs whole paths, deepest
+    first. A node x under a parent of weight w gets weight min(1, w p(x) / q(x)), a sequence-level acceptance
+    probability: a child the target likes more than the draft did (p / q > 1) makes up for its parent's low ratio.
+    A node tries its children's subtrees in draw order, then, left a leaf, is accepted with probability w and emits
+    a token from p. When a child's subtree rejects, the parent keeps what is still to be produced:
+    p <- max(w p - q, 0) / rho and w <- rho / (rho + 1 - w) with rho = sum(max(w p - q, 0)) (both independent of
+    the child drawn), and q loses the child. Lossless by induction from the leaves: a node of weight w emits x as
+    its next token with probability w p(x) over the draws below it, and is rejected with probability 1 - w
+    (docs/method.md §2.5). The root's weight stays 1, so a step always emits. observe(node, rank, h) hears, at each
+    child considered, the probability h = sum(min(w p, q)) that a child drawn there carries the walk.
+    """
+    probs = torch.softmax(target_logits.double() / temperature, dim=-1)
+
+    def settle(node: int, weight: float) -> tuple[int, int] | None:
+        p, q = probs[node], child_probs.get(node)
+        for rank, child in enumerate(tree.children(node)):
+            x, q = int(tree.tokens[child]), q.double()
+            kept = torch.minimum(weight * p, q)  # per token: a draw here that its subtree will carry
+            if observe is not None:
+                observe(node, rank, float(kept.sum()))
+            if (found := settle(child, min(1.0, weight * float(p[x]) / float(q[x])))) is not None:
+                return found
+            residual, rejected = weight * p - kept, float((q - kept).sum())
+            rho = float(residual.sum())
+            if rho > 0:  # rho == 0 leaves weight 0 (not for the root: there rho == rejected)
+                p = residual / rho
+            weight = min(1.0, rho / rejected) if rejected > 0 else weight
+            q = q.clone()
+            q[x] = 0.0
+            q = q / q.sum() if q.sum() > 0 else q
+        if node == 0 or float(torch.rand((), generator=generator)) < weight:
+            return node, int(torch.multinomial(p, 1, generator=generator))
+        return None
+
+    return settle(0, 1.0)
+
+
 @dataclass(frozen=True)
 class SamplingRule:
     """A lossless acceptance rule for temperature > 0: accept(tree, target logits, the step's Proposal,
@@ -134,6 +179,8 @@ class SamplingRule:
 # To add a rule: one entry here (`eval.sampling` and `speculative_generate(sampling=...)` read this table).
 SAMPLING_RULES: dict[str, SamplingRule] = {
     "rrs": SamplingRule(lambda tree, logits, proposal, temperature, generator, observe: recursive_rejection_tree(
+        tree, logits, proposal.child_probs, temperature, generator, observe), draws_trees=True),
+    "traversal": SamplingRule(lambda tree, logits, proposal, temperature, generator, observe: traversal_tree(
         tree, logits, proposal.child_probs, temperature, generator, observe), draws_trees=True),
     "target_only": SamplingRule(lambda tree, logits, proposal, temperature, generator, observe: target_only_tree(
         tree, logits, temperature, generator), draws_trees=False),

@@ -127,7 +127,7 @@ def speculative_generate(
     priority: AcceptanceTable | None = None,
     rescore: int | None = None,
     draft_temperature: float | None = None,
-    on_step: Callable[[Proposal, int], None] | None = None,
+    on_step: Callable[[Proposal, int, torch.Tensor], None] | None = None,
 ) -> tuple[list[int], SpecStats]:
     """New tokens for one prompt with draft trees, plus acceptance statistics.
 
@@ -136,7 +136,8 @@ def speculative_generate(
     before the step from running means, `StepwisePlanner` from the step's own tree).
     Greedy (temperature 0) follows the target's argmax through a k-best tree. Sampling: `rrs` draws each
     node's children without replacement from its draft distribution and verifies by recursive rejection
-    sampling; `target_only` verifies the greedy tree by sampling from the target alone. Both are lossless.
+    sampling, `traversal` verifies the same trees leaf first with sequence-level weights (more accepted drafts);
+    `target_only` verifies the greedy tree by sampling from the target alone. All are lossless.
     compiled: run the drafter's block (`Drafter.draft`), the target's verify pass (`TargetModel.verify`) and
     the Weaver search's adapter step (`WeaverAdapter.scorer`) compiled, in that inductor mode (`weaver.models.compile`); trees can differ from eager ones only at float near-ties of the
     adapter's scores, and greedy acceptance only at near-ties of the target's logits (tested equal). children: the
@@ -148,7 +149,8 @@ def speculative_generate(
     trees from the draft distribution (drafter or adapter) at this temperature instead of `temperature`; rejection
     sampling is lossless for any draft distribution, so only acceptance changes (a sharper draft, < temperature,
     is accepted more often when the drafter is weak). on_step: called after each step's acceptance with the step's
-    proposal and the accepted node (diagnostics, e.g. `benchmarks/tree_calibration.py`).
+    proposal, the accepted node and the target's logits of the tree's nodes (rows past the tree: a compiled
+    verify's padding) (diagnostics, e.g. `benchmarks/tree_calibration.py`, `benchmarks/sampling_rules.py`).
 
     Bad input (`check_request`) raises `WeaverError` before any model runs; so do NaN/inf logits of the
     target or the drafter (and NaN scores of the adapter), naming the step, instead of a wrong token.
@@ -208,7 +210,7 @@ def speculative_generate(
                                       priority.observer(proposal) if drawn and priority else None)
         path = tree.path_to(leaf)
         if on_step:
-            on_step(proposal, leaf)
+            on_step(proposal, leaf, logits)
         clock.lap("accept")
         target.commit(cache, pending, leaf=leaf)
         positions = anchor_position[:, None] + torch.arange(len(path), device=device)

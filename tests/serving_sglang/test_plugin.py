@@ -19,7 +19,7 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 from checkpoints import ADAPTER, DRAFTER, TARGET, checkpoint
 from weaver.errors import WeaverError
 from weaver.serving.sglang import (
-    ADAPTER_ENV, ALGORITHMS, CHILDREN_ENV, DEFAULT_DRAFT_TOKENS, POOL_ENV, RRS_PRIORITY_ENV, register,
+    ADAPTER_ENV, ALGORITHMS, CHILDREN_ENV, DEFAULT_DRAFT_TOKENS, POOL_ENV, RRS_PRIORITY_ENV, SAMPLING_ENV, register,
 )
 
 
@@ -65,7 +65,7 @@ def test_server_args_without_a_drafter_stop_with_the_reason(name, tiny_model):
 
 def test_weavers_settings_are_checked_before_loading(tiny_model, monkeypatch):
     """WEAVER without an adapter, an adapter folder that is not one, more children than the adapter's pool (16
-    here), a malformed count or an unknown priority for sampled trees: one message each from resolving the
+    here), a malformed count, an unknown priority for sampled trees or a rule that cannot verify them: one message each from resolving the
     arguments, before any model loads."""
     load_plugins()
 
@@ -98,6 +98,11 @@ def test_weavers_settings_are_checked_before_loading(tiny_model, monkeypatch):
     with pytest.raises(ValueError, match=f"{RRS_PRIORITY_ENV} must be one of \\['draft', 'acceptance'\\], got 'learned'"):
         resolve()
     monkeypatch.setenv(RRS_PRIORITY_ENV, "acceptance")
+    resolve()
+    monkeypatch.setenv(SAMPLING_ENV, "target_only")  # a rule for greedy trees: the worker draws sampled requests'
+    with pytest.raises(ValueError, match=f"{SAMPLING_ENV} must be one of \\['rrs', 'traversal'\\], got 'target_only'"):
+        resolve()
+    monkeypatch.setenv(SAMPLING_ENV, "traversal")
     resolve()
 
 

@@ -11,7 +11,8 @@ environment (SGLang's argument parser is not ours to extend): WEAVER_ADAPTER=<ad
 WEAVER_NODES_PER_CALL, WEAVER_POOL (candidates per depth; default the adapter's own pool), WEAVER_RESCORE (greedy
 requests' Weaver trees in one adapter call, `weaver.search.rescore`), WEAVER_RRS_PRIORITY
 (draft | acceptance: how sampled requests' trees rank their nodes, `weaver.calibration`; one table per worker
-learns from all its requests' steps), and WEAVER_TRACE=<file>: every step of every request as a JSON line
+learns from all its requests' steps), WEAVER_SAMPLING (rrs | traversal: the rule that verifies sampled requests'
+drawn trees, `weaver.acceptance`; default rrs), and WEAVER_TRACE=<file>: every step of every request as a JSON line
 (prompt, position, the drafter's top logits per depth, the tree, drafts accepted), to compare a served run
 with weaver's own engine step by step.
 """
@@ -26,6 +27,7 @@ ALGORITHMS = {"WEAVER": "weaver", "DDTREE": "ddtree"}  # SGLang name -> weaver.b
 DEFAULT_DRAFT_TOKENS = 16  # the tree's nodes with its root: a budget of 15, a 16-block drafter's chain
 ADAPTER_ENV, CHILDREN_ENV, NODES_PER_CALL_ENV = "WEAVER_ADAPTER", "WEAVER_CHILDREN", "WEAVER_NODES_PER_CALL"
 TRACE_ENV, RRS_PRIORITY_ENV, POOL_ENV, RESCORE_ENV = "WEAVER_TRACE", "WEAVER_RRS_PRIORITY", "WEAVER_POOL", "WEAVER_RESCORE"
+SAMPLING_ENV = "WEAVER_SAMPLING"
 TRACE_TOP = 4  # the drafter's largest logits per depth a trace keeps (a fingerprint of its inputs)
 
 
@@ -40,16 +42,22 @@ class WorkerSettings:
     rrs_priority: str = "draft"
     pool: int | None = None  # None: the adapter's own pool
     rescore: int | None = None  # None: greedy Weaver trees by the wave search
+    sampling: str = "rrs"  # the rule for sampled requests, one that verifies drawn trees
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
+        from weaver.acceptance import SAMPLING_RULES
         from weaver.calibration import RRS_PRIORITIES
 
         priority = os.environ.get(RRS_PRIORITY_ENV) or "draft"
         if priority not in RRS_PRIORITIES:
             raise ValueError(f"{RRS_PRIORITY_ENV} must be one of {list(RRS_PRIORITIES)}, got {priority!r}")
+        sampling, drawn = os.environ.get(SAMPLING_ENV) or "rrs", [k for k, r in SAMPLING_RULES.items() if r.draws_trees]
+        if sampling not in drawn:  # the worker draws sampled requests' trees: a rule for greedy trees would be biased
+            raise ValueError(f"{SAMPLING_ENV} must be one of {drawn}, got {sampling!r}")
         return cls(os.environ.get(ADAPTER_ENV) or None, _count(CHILDREN_ENV, None), _count(NODES_PER_CALL_ENV, None),
-                   os.environ.get(TRACE_ENV) or None, priority, _count(POOL_ENV, None), _count(RESCORE_ENV, None))
+                   os.environ.get(TRACE_ENV) or None, priority, _count(POOL_ENV, None), _count(RESCORE_ENV, None),
+                   sampling)
 
     def record(self, **step) -> None:
         """Append one step to the trace file."""

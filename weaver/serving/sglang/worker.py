@@ -13,8 +13,8 @@ server-argument rules apply unchanged. The target's hidden states are read with 
 decoder stack, which CUDA-graph replays skip: launch with `--disable-cuda-graph` (the plugin sets it).
 Tensor parallel size 1 only (the embedding and lm_head are read whole).
 Greedy requests are verified by SGLang's greedy tree verify; sampled ones (temperature > 0) draw their
-trees without replacement and are verified by our recursive rejection sampling (`weaver.acceptance`), at the
-request's temperature only: top-p, top-k, min-p and penalties are not applied to them.
+trees without replacement and are verified by our recursive rejection sampling or traversal verification
+(`weaver.acceptance`, WEAVER_SAMPLING), at the request's temperature only: top-p, top-k, min-p and penalties are not applied to them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from torch import nn
 
-from weaver.acceptance import recursive_rejection_tree
+from weaver.acceptance import SAMPLING_RULES
 from weaver.builders import TREE_METHODS, SearchConfig, StepInputs, default_children, propose
 from weaver.calibration import RRS_PRIORITIES
 from weaver.errors import WeaverError
@@ -272,18 +272,18 @@ class TreeWorker(BaseSpecWorker):
 
     def _sampled_acceptance(self, batch, logits: torch.Tensor, predict: torch.Tensor, accept_lens: torch.Tensor,
                             accept_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled requests accepted by our recursive rejection sampling over their drawn trees (lossless for
-        the target's temperature-T distribution; SGLang's own rule would be target-only sampling on a GPU and is
-        greedy on a CPU), greedy ones as SGLang's verify decided; in SGLang's (predict, accept_lens,
-        accept_index) layout for its KV commit."""
+        """Sampled requests accepted by our rule over their drawn trees (WEAVER_SAMPLING: recursive rejection
+        sampling or traversal verification; lossless for the target's temperature-T distribution; SGLang's own rule
+        would be target-only sampling on a GPU and is greedy on a CPU), greedy ones as SGLang's verify decided; in
+        SGLang's (predict, accept_lens, accept_index) layout for its KV commit."""
         n, states = self.draft_token_num, [self.requests[req.rid] for req in batch.reqs]
         leaves = accepted_leaves(accept_index, accept_lens - 1, predict)
+        rule = SAMPLING_RULES[self.settings.sampling]
         for b, state in enumerate(states):
             if state.generator is not None:
                 tree = state.proposal.tree
-                leaves[b] = recursive_rejection_tree(tree, logits[b * n : b * n + len(tree)],
-                                                     state.proposal.child_probs, state.temperature, state.generator,
-                                                     self.priority.observer(state.proposal) if self.priority else None)
+                leaves[b] = rule.accept(tree, logits[b * n : b * n + len(tree)], state.proposal, state.temperature,
+                                        state.generator, self.priority.observer(state.proposal) if self.priority else None)
         if self.priority:
             self.priority.refresh()
         predict, accept_index, drafts = accept_outputs([state.proposal.tree for state in states], leaves, n)
