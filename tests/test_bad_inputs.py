@@ -311,7 +311,7 @@ CASES = [
     # --- unknown names ---
     ("unknown method", lambda m, t: spec(m, method="beam"), "unknown tree method 'beam'; available: chain, ddtree, weaver, oracle"),
     ("unknown sampling rule", lambda m, t: spec(m, temperature=1.0, sampling="nope"),
-     "unknown sampling rule 'nope'; available: rrs, target_only"),
+     "unknown sampling rule 'nope'; available: rrs, traversal, target_only"),
     ("weaver without an adapter", lambda m, t: spec(m, method="weaver", budget=4),
      "method 'weaver' needs a trained adapter"),
     ("unknown dataset", lambda m, t: prompt_set("nope"), "unknown dataset 'nope'; defined in conf/prompt_sets: humaneval"),

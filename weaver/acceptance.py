@@ -139,25 +139,26 @@ def traversal_tree(
     (docs/method.md §2.5). The root's weight stays 1, so a step always emits. observe(node, rank, h) hears, at each
     child considered, the probability h = sum(min(w p, q)) that a child drawn there carries the walk.
     """
-    probs = torch.softmax(target_logits.double() / temperature, dim=-1)
+    # w p in float64: a deep node's weight is a product of many ratios, and in float32 w p turns subnormal (slow)
+    probs = torch.softmax(target_logits.float() / temperature, dim=-1).double()
 
     def settle(node: int, weight: float) -> tuple[int, int] | None:
-        p, q = probs[node], child_probs.get(node)
+        p, q = probs[node], child_probs.get(node)  # both normalised throughout
         for rank, child in enumerate(tree.children(node)):
-            x, q = int(tree.tokens[child]), q.double()
-            kept = torch.minimum(weight * p, q)  # per token: a draw here that its subtree will carry
+            x = int(tree.tokens[child])
+            residual = (p * weight).sub_(q).clamp_min_(0)  # what the target still owes if this subtree rejects
+            rho = float(residual.sum())
             if observe is not None:
-                observe(node, rank, float(kept.sum()))
+                observe(node, rank, weight - rho)  # sum(min(w p, q)) = w - rho
             if (found := settle(child, min(1.0, weight * float(p[x]) / float(q[x])))) is not None:
                 return found
-            residual, rejected = weight * p - kept, float((q - kept).sum())
-            rho = float(residual.sum())
+            rejected = rho + 1.0 - weight  # sum(max(q - w p, 0)): the chance a subtree drawn here rejects
             if rho > 0:  # rho == 0 leaves weight 0 (not for the root: there rho == rejected)
-                p = residual / rho
-            weight = min(1.0, rho / rejected) if rejected > 0 else weight
-            q = q.clone()
+                p = residual.div_(rho)
+            if node and rejected > 0:  # the root keeps weight 1 (rho == rejected there)
+                weight = min(1.0, rho / rejected)
+            q = q / (1.0 - float(q[x])) if float(q[x]) < 1.0 else q.clone()  # drawn without replacement
             q[x] = 0.0
-            q = q / q.sum() if q.sum() > 0 else q
         if node == 0 or float(torch.rand((), generator=generator)) < weight:
             return node, int(torch.multinomial(p, 1, generator=generator))
         return None
