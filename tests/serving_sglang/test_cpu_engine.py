@@ -70,8 +70,11 @@ def run_engines(target: str, drafter: str, out: str) -> None:
             runs = [engine.generate(input_ids=[p], sampling_params=sampling, return_logprob=True) for p in singles]
             runs.append(engine.generate(input_ids=batch, sampling_params=sampling, return_logprob=True))
             if name in WORKERS:
-                sampled = engine.generate(input_ids=[SAMPLED_PROMPT] * SAMPLED_RUNS, sampling_params={
-                    "max_new_tokens": 3, "temperature": SAMPLED_TEMPERATURE})
+                # a seed per request, which seeds SGLang's sampler and our worker's draws: the chi-square test below
+                # then runs on seeded draws, as the engine-side statistical tests do, not on fresh ones each run
+                sampled = engine.generate(input_ids=[SAMPLED_PROMPT] * SAMPLED_RUNS, sampling_params=[
+                    {"max_new_tokens": 3, "temperature": SAMPLED_TEMPERATURE, "sampling_seed": seed}
+                    for seed in range(SAMPLED_RUNS)])
                 results[f"{name}_sampled"] = [{"ids": o["output_ids"], "drafts": o["meta_info"].get("spec_num_correct_drafts", 0)}
                                               for o in sampled]
         finally:
