@@ -60,11 +60,11 @@ def with_settings(cfg: DictConfig, settings: dict[str, int | str]) -> DictConfig
     """cfg with a run's own settings: eval.auto_budget's by their names (stepwise=1 compares `auto`'s planners
     in one process), `sampling` as eval.sampling, the rest weaver.search's (unknown names are refused by the
     config's schema)."""
+    if not settings:
+        return cfg
     auto = {k: v for k, v in settings.items() if k in cfg.eval.auto_budget}
     rule = {k: v for k, v in settings.items() if k == "sampling"}
     search = {k: v for k, v in settings.items() if k not in auto and k not in rule}
-    if not settings:
-        return cfg
     return OmegaConf.merge(cfg, {"weaver": {"search": search}, "eval": {"auto_budget": auto, **rule}})
 
 

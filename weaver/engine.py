@@ -136,7 +136,7 @@ def speculative_generate(
     before the step from running means, `StepwisePlanner` from the step's own tree).
     Greedy (temperature 0) follows the target's argmax through a k-best tree. Sampling: `rrs` draws each
     node's children without replacement from its draft distribution and verifies by recursive rejection
-    sampling, `traversal` verifies the same trees leaf first with sequence-level weights (more accepted drafts);
+    sampling, `traversal` verifies the same trees leaf first with sequence-level weights (Weng et al. 2025);
     `target_only` verifies the greedy tree by sampling from the target alone. All are lossless.
     compiled: run the drafter's block (`Drafter.draft`), the target's verify pass (`TargetModel.verify`) and
     the Weaver search's adapter step (`WeaverAdapter.scorer`) compiled, in that inductor mode (`weaver.models.compile`); trees can differ from eager ones only at float near-ties of the
