@@ -146,18 +146,19 @@ def traversal_tree(
         p, q = probs[node], child_probs.get(node)  # both normalised throughout
         for rank, child in enumerate(tree.children(node)):
             x = int(tree.tokens[child])
+            px, qx = float(p[x]), float(q[x])
             residual = (p * weight).sub_(q).clamp_min_(0)  # what the target still owes if this subtree rejects
             rho = float(residual.sum())
             if observe is not None:
                 observe(node, rank, weight - rho)  # sum(min(w p, q)) = w - rho
-            if (found := settle(child, min(1.0, weight * float(p[x]) / float(q[x])))) is not None:
+            if (found := settle(child, min(1.0, weight * px / qx))) is not None:
                 return found
             rejected = rho + 1.0 - weight  # sum(max(q - w p, 0)): the chance a subtree drawn here rejects
             if rho > 0:  # rho == 0 leaves weight 0 (not for the root: there rho == rejected)
                 p = residual.div_(rho)
             if node and rejected > 0:  # the root keeps weight 1 (rho == rejected there)
                 weight = min(1.0, rho / rejected)
-            q = q / (1.0 - float(q[x])) if float(q[x]) < 1.0 else q.clone()  # drawn without replacement
+            q = q / (1.0 - qx) if qx < 1.0 else q.clone()  # drawn without replacement
             q[x] = 0.0
         if node == 0 or float(torch.rand((), generator=generator)) < weight:
             return node, int(torch.multinomial(p, 1, generator=generator))
