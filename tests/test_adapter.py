@@ -307,6 +307,27 @@ def test_weaver_with_a_draft_vocabulary_is_lossless_greedy_and_sampling(target):
     assert chi_square_pvalue(samples, target_joint(target)) > ALPHA
 
 
+@pytest.mark.parametrize("rescore", [None, 2])
+@torch.inference_mode()
+def test_weaver_reads_the_draft_vocabulary_and_builds_the_whole_rows_tree(target, rescore):
+    """Given the drafter's draft vocabulary (`Draft.vocab`), the Weaver search takes its pools (and the rescored
+    tree its candidates) over those columns only: the tree and child distributions of the whole rows."""
+    drafter, _ = draft_vocab_drafter(target, BLOCK, VOCAB // 2, seed=8)
+    torch.manual_seed(4)
+    adapter = make_adapter(target)
+    logits, hidden, target_hidden, anchor = step_inputs(target, drafter, [5, 9, 3, 7])
+    full = as_step(target, adapter, logits, hidden, target_hidden, anchor)
+    fast = StepInputs(anchor, Draft(logits[None], hidden[None], drafter.draft_vocab), target_hidden, target,
+                      adapter=adapter)
+    search = SearchConfig(9, 3, rescore=rescore)
+    want, got = weaver_tree(full, search), weaver_tree(fast, search)
+    assert torch.equal(got.tree.tokens, want.tree.tokens) and torch.equal(got.tree.parents, want.tree.parents)
+    assert bool(torch.isin(got.tree.tokens[1:], drafter.draft_vocab).all())
+    assert got.child_probs.keys() == want.child_probs.keys()
+    for node, probs in want.child_probs.items():
+        torch.testing.assert_close(got.child_probs[node], probs)
+
+
 def test_an_accept_everything_rule_fails_the_same_test(target, drafter, monkeypatch):
     torch.manual_seed(3)
     adapter = make_adapter(target, pool_size=VOCAB)

@@ -38,6 +38,44 @@ def test_ddtree_holds_the_best_scoring_paths(seed, budget):
     assert paths_of(tree) == set(best)
 
 
+def draft_vocab_logits(seed: int, depth: int, vocab_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (depth, vocab_size), vocab (size,)) as a drafter with a draft vocabulary drafts them: random logits in
+    `size` random columns, the lowest finite value in every other."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = torch.randperm(vocab_size, generator=gen)[:size].sort().values
+    logits = torch.full((depth, vocab_size), torch.finfo(torch.float32).min)
+    logits[:, vocab] = 3 * torch.randn(depth, size, generator=gen)
+    return logits, vocab
+
+
+@pytest.mark.parametrize("seed,budget", [(0, 1), (1, 4), (2, 9), (3, 30)])
+def test_trees_read_over_the_draft_vocabulary_are_the_whole_rows_trees(seed, budget):
+    """The chain and the greedy DDTree given a draft vocabulary (`Draft.vocab`) take their top-k and normalisers
+    over its columns only: the trees, edge probabilities and child distributions of the whole rows."""
+    logits, vocab = draft_vocab_logits(seed, 5, 50, 12)
+    for build in (chain_tree, ddtree):
+        fast, full = build(3, logits, budget, vocab=vocab), build(3, logits, budget)
+        assert torch.equal(fast.tree.tokens, full.tree.tokens) and torch.equal(fast.tree.parents, full.tree.parents)
+        assert bool(torch.isin(fast.tree.tokens[1:], vocab).all())
+        torch.testing.assert_close(fast.edge_probs(), full.edge_probs())
+        assert fast.child_probs.keys() == full.child_probs.keys()
+        for node, probs in full.child_probs.items():
+            torch.testing.assert_close(fast.child_probs[node], probs)
+
+
+def test_a_sampled_chain_over_the_draft_vocabulary_draws_from_the_whole_rows_marginals():
+    """Sampled, the chain's Gumbel draw runs over the draft vocabulary's columns: each depth's token follows the
+    whole row's marginal (the other tokens have probability 0)."""
+    logits, vocab = draft_vocab_logits(4, 2, 30, 6)
+    logits[:, vocab] /= 3  # flatter, so that every token is drawn often
+    gen, trials = torch.Generator().manual_seed(0), 6000
+    counts = torch.zeros(2, 30)
+    for _ in range(trials):
+        tokens = chain_tree(3, logits, 2, gen, vocab=vocab).tree.tokens[1:]
+        counts[torch.arange(2), tokens] += 1
+    torch.testing.assert_close(counts / trials, logits.softmax(-1), atol=0.025, rtol=0)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_edge_probabilities_are_each_nodes_marginal_at_its_depth(seed):
     """DDTree's edges: node i's probability is the drafter's marginal of its token at its depth (what

@@ -29,7 +29,7 @@ from weaver.acceptance import argmax
 from weaver.errors import WeaverError
 from weaver.models.adapter import AdapterCache, WeaverAdapter, draft_pools, expansion_batch
 from weaver.models.compile import Compile
-from weaver.models.drafter import Draft
+from weaver.models.drafter import Draft, in_vocab, proposable
 from weaver.models.linear import exact_bf16
 from weaver.search import ChildLogProbs, Grown, Proposal, best_first_tree
 from weaver.static_trees import best_paths_nodes, kept_parents, rescorer
@@ -100,45 +100,55 @@ def marginal_tree(anchor: int, draft_logits: torch.Tensor, budget: int, width: i
                            vocab_size=draft_logits.shape[-1], priority=priority, device=draft_logits.device)
 
 
+def support_of(vocab: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """The support of `rows` log-prob rows over `proposable`'s columns (the draft vocabulary `vocab`), as a
+    `Proposal` expansion lists it."""
+    return None if vocab is None else vocab.expand(rows, -1)
+
+
 def chain_tree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
-               temperature: float = 1.0) -> Proposal:
+               temperature: float = 1.0, vocab: torch.Tensor | None = None) -> Proposal:
     """DFlash's chain: the argmax (or one Gumbel-max draw) per depth, `budget` drafts at most, in one shot:
     with one child per node the best-first search (`marginal_tree` with width 1, tested equal) is exactly
-    the per-depth choice, and its one wave per node cost 10-12% of a tiny-target step."""
+    the per-depth choice, and its one wave per node cost 10-12% of a tiny-target step. vocab: the drafter's
+    draft vocabulary (`proposable`)."""
     n = min(budget, len(draft_logits))
-    log_marginals = (draft_logits[:n].float() / temperature).log_softmax(-1)
+    log_marginals = (proposable(draft_logits[:n], vocab).float() / temperature).log_softmax(-1)
     if generator is not None:
         uniform = torch.rand(log_marginals.shape, generator=generator, device=generator.device).to(log_marginals.device)
         drafts = argmax(log_marginals - (-uniform.log()).log())
     else:
         drafts = argmax(log_marginals)
     nodes = torch.arange(n, device=draft_logits.device)  # node i (depth i) is expanded by row i
-    return Proposal(Tree.chain(torch.cat([drafts.new_full((1,), anchor), drafts])), [(nodes, log_marginals, None)],
-                    draft_logits.shape[-1])
+    return Proposal(Tree.chain(torch.cat([drafts.new_full((1,), anchor), in_vocab(drafts, vocab)])),
+                    [(nodes, log_marginals, support_of(vocab, n))], draft_logits.shape[-1])
 
 
 def ddtree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
-           temperature: float = 1.0, priority: AcceptanceTable | None = None) -> Proposal:
+           temperature: float = 1.0, priority: AcceptanceTable | None = None, vocab: torch.Tensor | None = None) -> Proposal:
     """DDTree: up to `budget` children per node under the factorized marginals. Greedy trees in one pass per
-    depth (`best_paths`), sampled ones by the search (children drawn without replacement)."""
+    depth (`best_paths`, over the draft vocabulary `vocab` when there is one), sampled ones by the search
+    (children drawn without replacement)."""
     if generator is None:
-        return best_paths(anchor, draft_logits, budget, temperature)
+        return best_paths(anchor, draft_logits, budget, temperature, vocab)
     return marginal_tree(anchor, draft_logits, budget, min(budget, draft_logits.shape[-1]), generator, temperature,
                          priority)
 
 
-def best_paths(anchor: int, draft_logits: torch.Tensor, budget: int, temperature: float = 1.0) -> Proposal:
+def best_paths(anchor: int, draft_logits: torch.Tensor, budget: int, temperature: float = 1.0,
+               vocab: torch.Tensor | None = None) -> Proposal:
     """The greedy DDTree, best first (`weaver.static_trees.best_paths_nodes`: a beam per depth, one sort): the
     best-first search's tree (`marginal_tree`), node for node when no two paths tie (tested; with ties, paths of
-    the same scores). Every node above the last depth is listed as expanded with its depth's full marginal (only
-    sampling reads these, and it uses the search)."""
+    the same scores). Every node above the last depth is listed as expanded with its depth's marginal over the
+    tokens the drafter can propose (`proposable`; only sampling reads these, and it uses the search)."""
     depth = min(len(draft_logits), budget)
-    log_marginals = (draft_logits[:depth].float() / temperature).log_softmax(-1)
+    log_marginals = (proposable(draft_logits[:depth], vocab).float() / temperature).log_softmax(-1)
     anchor_t = torch.full((1,), anchor, dtype=torch.long, device=draft_logits.device)
-    tokens, parents, depths = best_paths_nodes(anchor_t, *log_marginals.topk(min(budget, log_marginals.shape[-1]), dim=-1),
-                                               budget)
+    top_logp, top_index = log_marginals.topk(min(budget, log_marginals.shape[-1]), dim=-1)
+    tokens, parents, depths = best_paths_nodes(anchor_t, top_logp, in_vocab(top_index, vocab), budget)
     expanded = (depths < depth).nonzero().squeeze(-1)
-    return Proposal(Tree(tokens, parents), [(expanded, log_marginals[depths[expanded]], None)], draft_logits.shape[-1])
+    return Proposal(Tree(tokens, parents), [(expanded, log_marginals[depths[expanded]], support_of(vocab, len(expanded)))],
+                    draft_logits.shape[-1])
 
 
 def oracle_tree(step: StepInputs, search: SearchConfig) -> Proposal:
@@ -169,7 +179,8 @@ def weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     if search.rescore and search.generator is None:
         return rescored_weaver_tree(step, search)
     adapter, target, draft_logits = _adapter_of(step), step.target, step.draft.logits[0]
-    pool_logits, pool_tokens = draft_pools(draft_logits, adapter.cfg.pool_size)
+    pool_logits, pool_tokens = draft_pools(proposable(draft_logits, step.draft.vocab), adapter.cfg.pool_size,
+                                           step.draft.vocab)
     candidates = adapter.pool_candidates(target, pool_tokens)  # (D, M, r), constant for this step
     # adapter-cache slot of a node = its index in the tree, so a node's mask row is its ancestor row
     cache = _adapter_cache(step, search.budget + 1)
@@ -203,7 +214,8 @@ def rescored_weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
     depth = min(len(draft_logits), search.budget)  # a tree of `budget` nodes is at most that deep
     anchor = torch.full((1,), step.anchor, dtype=torch.long, device=draft_logits.device)
     r = rescorer(search.compiled)(adapter, target, adapter.candidate_table(target), anchor, draft_logits[:depth],
-                                  step.draft.hidden[0], step.target_hidden, search.budget, search.rescore, search.children)
+                                  step.draft.hidden[0], step.target_hidden, search.budget, search.rescore, search.children,
+                                  step.draft.vocab)
     keep = r.keep[: int(r.n_kept)]
     tree = Tree.with_ancestors(r.tokens[keep], kept_parents(r.parents, keep), r.ancestors[keep][:, keep])
     expanded = (r.depths[keep] < depth).nonzero().squeeze(-1)  # tree nodes whose children the tree may hold
@@ -295,10 +307,10 @@ class TreeMethod:
 # budget checks, eval.py (`eval.methods`) and the SGLang worker read this table.
 TREE_METHODS: dict[str, TreeMethod] = {
     "chain": TreeMethod(lambda step, search: chain_tree(step.anchor, step.draft.logits[0], search.budget,
-                                                        search.generator, search.temperature),
+                                                        search.generator, search.temperature, step.draft.vocab),
                         chain_limit, whole_block=True, stepwise=True),
     "ddtree": TreeMethod(lambda step, search: ddtree(step.anchor, step.draft.logits[0], search.budget, search.generator,
-                                                     search.temperature, search.priority),
+                                                     search.temperature, search.priority, step.draft.vocab),
                          vocabulary_limit, stepwise=True),
     "weaver": TreeMethod(weaver_tree, search_children_limit, needs=("adapter",)),
     "oracle": TreeMethod(oracle_tree, vocabulary_limit),

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from weaver.models.adapter import WeaverAdapter, draft_pools
+from weaver.models.drafter import in_vocab, proposable
 from weaver.models.compile import Compile, compile_step, inductor_mode
 from weaver.tree import ancestor_matrix
 
@@ -67,22 +68,25 @@ class Rescored(NamedTuple):
 
 def rescore_candidates(adapter: WeaverAdapter, target: TargetModel, table: torch.Tensor, anchor: torch.Tensor,
                        draft_logits: torch.Tensor, draft_hidden: torch.Tensor, target_hidden: torch.Tensor,
-                       budget: int, rescore: int, children: int) -> Rescored:
+                       budget: int, rescore: int, children: int, vocab: torch.Tensor | None = None) -> Rescored:
     """The candidates (the drafter's best `rescore` x budget nodes over draft_logits (D, V), D <= budget) scored
     in one adapter call and ranked by the adapter's path scores. table: P lm_head over the vocabulary
-    (`WeaverAdapter.candidate_table`); draft_hidden (block - 1, H) and target_hidden (H,) make the prefix.
+    (`WeaverAdapter.candidate_table`); draft_hidden (block - 1, H) and target_hidden (H,) make the prefix;
+    vocab: the drafter's draft vocabulary (`Draft.vocab`), whose columns alone the top-k and normaliser read.
 
     A candidate's adapter log-prob is its token's in its parent's pool distribution (-inf unless the token is
     among the parent's `children` best); its path score, the sum along its path, never exceeds its parent's.
     Every candidate is scored, the deepest ones too (their rows go unused: they are nobody's ancestor, so no
     other score changes), which keeps every shape fixed by (D, budget, rescore)."""
     depth = len(draft_logits)
-    pool_logits, pool_tokens = draft_pools(draft_logits, adapter.cfg.pool_size)
-    k = min(rescore * budget, draft_logits.shape[-1])
+    columns = proposable(draft_logits, vocab)
+    pool_logits, pool_tokens = draft_pools(columns, adapter.cfg.pool_size, vocab)
+    k = min(rescore * budget, columns.shape[-1])
     if k <= pool_logits.shape[-1]:  # the pool holds each depth's top k: one top-k over the vocabulary, not two
-        top = pool_logits[:, :k].float() - draft_logits.float().logsumexp(-1, keepdim=True), pool_tokens[:, :k]
+        top = pool_logits[:, :k].float() - columns.float().logsumexp(-1, keepdim=True), pool_tokens[:, :k]
     else:
-        top = draft_logits.float().log_softmax(-1).topk(k, dim=-1)
+        top_logp, top_index = columns.float().log_softmax(-1).topk(k, dim=-1)
+        top = top_logp, in_vocab(top_index, vocab)
     tokens, parents, depths = best_paths_nodes(anchor, *top, rescore * budget)
     n = len(tokens)
     ancestors = ancestor_matrix(parents, depth)

@@ -36,7 +36,7 @@ from weaver.errors import WeaverError
 from weaver.io import atomic_dir
 from weaver.models.compile import Compile, compile_step, inductor_mode
 from weaver.models.config import from_hf, is_count
-from weaver.models.drafter import DrafterLayer
+from weaver.models.drafter import DrafterLayer, in_vocab
 from weaver.models.layers import RMSNorm, Rotary
 from weaver.models.linear import Linear
 
@@ -227,9 +227,12 @@ def with_pool(adapter: WeaverAdapter, pool_size: int | None) -> WeaverAdapter:
     return adapter
 
 
-def draft_pools(draft_logits: torch.Tensor, pool_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, tokens), each (..., D, M): the drafter's top-M candidates per block position."""
-    return draft_logits.topk(min(pool_size, draft_logits.shape[-1]), dim=-1)
+def draft_pools(draft_logits: torch.Tensor, pool_size: int, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, tokens), each (..., D, M): the drafter's top-M candidates per block position. With a draft
+    vocabulary `vocab`, draft_logits are over its columns only (`weaver.models.drafter.proposable`) and the
+    tokens are mapped back to target ids."""
+    logits, index = draft_logits.topk(min(pool_size, draft_logits.shape[-1]), dim=-1)
+    return logits, in_vocab(index, vocab)
 
 
 def save_adapter(adapter: WeaverAdapter, out_dir: Path, tokenizer_sha256: str | None = None) -> None:
