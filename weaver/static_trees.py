@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from weaver.models.adapter import WeaverAdapter, draft_pools
-from weaver.models.drafter import in_vocab, proposable
 from weaver.models.compile import Compile, compile_step, inductor_mode
+from weaver.models.drafter import in_vocab, proposable
 from weaver.tree import ancestor_matrix
 
 if TYPE_CHECKING:

@@ -74,7 +74,7 @@ class Draft(NamedTuple):
     logits: torch.Tensor  # (B, D, V): marginals for positions anchor+1 .. anchor+D (D <= block_size - 1)
     hidden: torch.Tensor  # (B, block_size - 1, H): the final-normed states behind them (Weaver's prefix)
     # (V',) the draft vocabulary (ascending target ids) when the drafter has one: every other logit is the lowest
-    # finite value, so the trees' top-k and normalisers may read these columns only (`weaver.builders.proposable`)
+    # finite value, so the trees' top-k and normalisers may read these columns only (`proposable`)
     vocab: torch.Tensor | None = None
 
 
