@@ -6,10 +6,10 @@
 After a prefill of --context pseudo-random tokens, times `TargetModel.verify` on random trees of each size
 (nothing is committed, so every call sees the same cache) and one-token decode steps, eager and compiled
 (`eval.compile`: true or max-autotune; a compiled verify pads the tree to its size bucket, `verify_size`), interleaved over
---repeats rounds; medians. --both-linears times every forward twice, with prepacked weights and with
-`F.linear` (`eval.prepack`, weaver/models/linear.py), interleaved; --invariant-rows 8 16 times every forward
-once per row count of lossless bf16's fixed-size matmul calls (`INVARIANT_ROWS`; with model.dtype=bfloat16 on
-a CPU). --prefill N ... also times a prompt of N pseudo-random tokens read as decoders read it (`TargetModel.prefill`,
+--repeats rounds (in a fresh random order each round); medians. --both-linears times every forward twice, with prepacked weights and with
+`F.linear` (`eval.prepack`, weaver/models/linear.py), interleaved; --invariant-rows 8 16 16:32 times every forward
+once per setting of lossless bf16's fixed-size matmul calls: R rows a call, or R:C for rows padded to R and calls of
+at most C (`INVARIANT_ROWS`, `CALL_ROWS`; with model.dtype=bfloat16 on a CPU). --prefill N ... also times a prompt of N pseudo-random tokens read as decoders read it (`TargetModel.prefill`,
 bf16's fast kernels) and read exactly (as a verify pass reads its nodes). Arguments other than the options are
 eval.py overrides (model, dtype, device).
 
@@ -42,14 +42,15 @@ def under(setting: Callable[[], contextlib.AbstractContextManager], run: Callabl
 
 
 @contextlib.contextmanager
-def invariant_rows(rows: int) -> Iterator[None]:
-    """Lossless bf16's matmul calls of `rows` rows inside the block (the kernel reads the setting per call, so
-    compiled graphs need no rebuild)."""
-    before, linear.INVARIANT_ROWS = linear.INVARIANT_ROWS, rows
+def invariant_rows(rows: int, call_rows: int | None = None) -> Iterator[None]:
+    """Lossless bf16's matmul calls of `rows` rows (padded to them), at most `call_rows` a call (default `rows`),
+    inside the block (the kernel reads the settings per call, so compiled graphs need no rebuild)."""
+    before = linear.INVARIANT_ROWS, linear.CALL_ROWS
+    linear.INVARIANT_ROWS, linear.CALL_ROWS = rows, call_rows or rows
     try:
         yield
     finally:
-        linear.INVARIANT_ROWS = before
+        linear.INVARIANT_ROWS, linear.CALL_ROWS = before
 
 
 def random_tree(size: int, vocab: int, generator: torch.Generator) -> Tree:
@@ -64,7 +65,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--both-linears", action="store_true", help="each forward with and without prepacked weights")
-    parser.add_argument("--invariant-rows", type=int, nargs="+", help="each forward with bf16 matmul calls of these rows")
+    parser.add_argument("--invariant-rows", type=str, nargs="+",
+                        help="each forward with bf16 matmul calls of these rows: R, or R:C for calls of R padded rows, at most C a call")
     parser.add_argument("--prefill", type=int, nargs="+", default=[], help="also time prompts of these lengths")
     args, overrides = parser.parse_known_args()
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
@@ -102,16 +104,17 @@ def main() -> None:
     # name -> the setting's context (made anew for every call)
     variants = ({"[prepacked]": lambda: prepacked_weights(True), "[F.linear]": lambda: prepacked_weights(False)}
                 if args.both_linears else
-                {f"[{rows} rows]": lambda rows=rows: invariant_rows(rows) for rows in args.invariant_rows or ()})
+                {f"[{rows} rows]": lambda rows=rows: invariant_rows(*map(int, rows.split(":"))) for rows in args.invariant_rows or ()})
     if variants:  # every forward under each setting, interleaved
         runs = {f"{label} {name}": (lambda run=run, setting=setting: under(setting, run))
                 for label, run in runs.items() for name, setting in variants.items()}
     times: dict[str, list[float]] = {label: [] for label in runs}
     for label, run in runs.items():  # warm-up: allocation and compilation
         timed(run)
-    for _ in range(args.repeats):
-        for label, run in runs.items():
-            times[label].append(timed(run))
+    order = list(runs)
+    for _ in range(args.repeats):  # a fresh order each round: a call after another kind of forward runs slower
+        for label in [order[i] for i in torch.randperm(len(order), generator=generator)]:
+            times[label].append(timed(runs[label]))
     ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
     print(f"{cfg.experiment}: context {args.context}, {target.embed.weight.dtype}, {device}, compile {cfg.eval.compile}, "
           f"cpu {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, median of {args.repeats}")

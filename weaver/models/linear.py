@@ -16,7 +16,9 @@ INVARIANT_ROWS rows, zero-padded: one kernel for every row, and a row's result d
 in the call (tests/test_linear.py). The call is 16 rows where the CPU has AMX, whose tiles are 16 rows high: there
 a SmolLM2 decode step costs 2% more in 16-row than in 8-row calls and a 9-node verify 1.2 decodes instead of 1.7
 (two 8-row calls per product); elsewhere 8 rows, which already cost AVX512-BF16 kernels 2-3x one row
-(docs/results.md: "Lossless bf16 in 16-row calls").
+(docs/results.md: "Lossless bf16 in 16-row calls"). With AMX one call also takes 32 rows (CALL_ROWS), which round
+every row as a 16-row call does and cost 0.5-0.6 of two: a 17-32 node verify 1.3-1.5 decodes instead of 1.7-1.9
+(docs/results.md: "Lossless bf16 in 32-row calls"); from 48 rows the kernel changes again.
 Where oneDNN has no bf16 kernels (an AVX2-only CPU, or a torch built without oneDNN) the row-invariant bf16
 products run in float64 instead, on a float64 copy of the weight kept like the packed one: each product of two
 bf16 numbers is exact there and a sum's blocking moves it by ~1e-16, which the rounding back to bf16 removes.
@@ -42,6 +44,8 @@ PACKED_FOR_ROWS = 16
 PACK_MIN_ELEMENTS = (1 << 18) + 1
 # the row count of every row-invariant bf16 product: an AMX tile's height where there is one (module docstring)
 INVARIANT_ROWS = 16 if torch.cpu._is_amx_tile_supported() else 8
+# the most rows one row-invariant call takes (rows padded to INVARIANT_ROWS): 32 with AMX (module docstring)
+CALL_ROWS = 2 * INVARIANT_ROWS if torch.cpu._is_amx_tile_supported() else INVARIANT_ROWS
 _ONEDNN = torch.backends.mkldnn.is_available()
 # oneDNN runs bf16 only with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2-only CPU has neither
 _ONEDNN_BF16 = _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -128,7 +132,7 @@ def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if rows <= INVARIANT_ROWS and x.dim() == 3 and len(x) == 1:  # a decode step, a small tree: the fewest ops
         return _packed_product(F.pad(x, (0, 0, 0, INVARIANT_ROWS - rows)), packed, bias)[:, :rows]
     padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % INVARIANT_ROWS))
-    chunks = padded.split(INVARIANT_ROWS)
+    chunks = padded.split(CALL_ROWS)
     out = torch.cat([_packed_product(c, packed, bias) for c in chunks]) if len(chunks) > 1 else _packed_product(padded, packed, bias)
     return out[:rows].view(*x.shape[:-1], weight.shape[0])
 

@@ -39,7 +39,7 @@ from weaver.tree import Tree
 def verify_size(nodes: int) -> int:
     """The tree size a compiled verify pads `nodes` to: the next power of two, or one more (2, 3, 4, 5, 8, 9, 16,
     17, 32, 33, ...): a power-of-two budget plus its root, or a budget one under it, whose tree fills whole matmul
-    calls (lossless bf16 runs every product in calls of 8 or 16 rows, `weaver.models.linear.INVARIANT_ROWS`). So
+    calls (lossless bf16 runs every product in calls of 8, 16 or 32 rows, `weaver.models.linear.INVARIANT_ROWS`). So
     a few graphs serve every tree, and none pads past the rows it pays for. Never 1: dynamo specialises size 1."""
     power = 1 << max(nodes - 2, 0).bit_length()  # the least power of two >= nodes - 1
     return max(power if power >= nodes else power + 1, 2)
