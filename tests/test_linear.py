@@ -76,6 +76,33 @@ def test_bf16_rows_are_bitwise_their_one_row_products(shape, bf16_kernels):
 
 
 @torch.inference_mode()
+def test_a_weight_whose_wide_calls_round_differently_keeps_narrow_calls(monkeypatch):
+    """Calls of CALL_ROWS rows are used only where the packing's probe finds them rounding every row as
+    INVARIANT_ROWS-row calls do: a kernel that rounds wider calls differently (simulated: one output moved by a
+    bf16 step) leaves the weight's products in narrow calls, still bitwise its one-row products."""
+    if torch.bfloat16 not in linear_module.PACKED_DTYPES:
+        pytest.skip("oneDNN has no bf16 kernels on this CPU (bf16 products run in float64)")
+    narrow = linear_module.INVARIANT_ROWS
+    monkeypatch.setattr(linear_module, "CALL_ROWS", 2 * narrow)
+    product = linear_module._packed_product
+
+    def wide_rounds_differently(x, packed, bias):
+        out = product(x, packed, bias)
+        if len(x) > narrow:
+            out.view(torch.int16)[-1, -1] += 1  # the next bf16 number
+        return out
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (0.05 * torch.randn(96, 64, generator=generator)).bfloat16()
+    x = heavy_tailed(5 * narrow, 64, generator)
+    one_by_one = torch.cat([linear(row, weight, row_invariant=True) for row in x.split(1)])
+    monkeypatch.setattr(linear_module, "_packed_product", wide_rounds_differently)
+    for rows in (narrow + 1, 2 * narrow, 5 * narrow):
+        assert torch.equal(linear(x[:rows], weight, row_invariant=True), one_by_one[:rows]), f"{rows} rows"
+    assert linear_module._call_rows(weight) == narrow
+
+
+@torch.inference_mode()
 def test_one_onednn_call_over_many_rows_is_not_row_invariant():
     """Why bf16 products run in fixed-size calls (INVARIANT_ROWS): one call over more rows picks another kernel, which rounds
     some outputs differently from the one-row call (on a Xeon with AMX: a few in 10^5 at SmolLM2's widths above

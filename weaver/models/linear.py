@@ -18,7 +18,10 @@ a SmolLM2 decode step costs 2% more in 16-row than in 8-row calls and a 9-node v
 (two 8-row calls per product); elsewhere 8 rows, which already cost AVX512-BF16 kernels 2-3x one row
 (docs/results.md: "Lossless bf16 in 16-row calls"). With AMX one call also takes 32 rows (CALL_ROWS), which round
 every row as a 16-row call does and cost 0.5-0.6 of two: a 17-32 node verify 1.3-1.5 decodes instead of 1.7-1.9
-(docs/results.md: "Lossless bf16 in 32-row calls"); from 48 rows the kernel changes again.
+(docs/results.md: "Lossless bf16 in 32-row calls"); from 48 rows the kernel changes again. That is a finding about
+oneDNN's kernels on the CPUs we measured, not a construction, so each weight's wide calls are probed when it is
+first multiplied by more than INVARIANT_ROWS rows (`_call_rows`), and a weight whose probe differs keeps
+INVARIANT_ROWS-row calls.
 Where oneDNN has no bf16 kernels (an AVX2-only CPU, or a torch built without oneDNN) the row-invariant bf16
 products run in float64 instead, on a float64 copy of the weight kept like the packed one: each product of two
 bf16 numbers is exact there and a sum's blocking moves it by ~1e-16, which the rounding back to bf16 removes.
@@ -52,8 +55,9 @@ _ONEDNN_BF16 = _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 PACKED_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN_BF16 else (torch.float32,)
 _enabled = _ONEDNN
 _exact = True
-# weight -> (what it was packed from, packed copy), by identity: beside the weight, not on it, so that a model
-# still pickles and deep-copies (an mkldnn tensor does neither); the copy goes when the weight does
+# weight -> (what it was packed from, packed copy, its row-invariant call rows by setting: `_call_rows`), by
+# identity: beside the weight, not on it, so that a model still pickles and deep-copies (an mkldnn tensor does
+# neither); the copy goes when the weight does
 _PACKED = WeakIdKeyDictionary()
 
 
@@ -132,7 +136,7 @@ def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if rows <= INVARIANT_ROWS and x.dim() == 3 and len(x) == 1:  # a decode step, a small tree: the fewest ops
         return _packed_product(F.pad(x, (0, 0, 0, INVARIANT_ROWS - rows)), packed, bias)[:, :rows]
     padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % INVARIANT_ROWS))
-    chunks = padded.split(CALL_ROWS)
+    chunks = padded.split(_call_rows(weight) if rows > INVARIANT_ROWS else INVARIANT_ROWS)
     out = torch.cat([_packed_product(c, packed, bias) for c in chunks]) if len(chunks) > 1 else _packed_product(padded, packed, bias)
     return out[:rows].view(*x.shape[:-1], weight.shape[0])
 
@@ -170,8 +174,30 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     key = (_version(weight), weight.data_ptr(), weight.dtype, weight.shape)  # `.data =` swaps storage unversioned
     cached = _PACKED.get(weight)
     if cached is None or cached[0] != key:
-        cached = _PACKED[weight] = (key, _pack(weight.detach()))
+        cached = _PACKED[weight] = (key, _pack(weight.detach()), {})
     return cached[1]
+
+
+def _call_rows(weight: torch.Tensor) -> int:
+    """How many rows one row-invariant call multiplies by this (packed, bf16) weight: CALL_ROWS if calls that wide
+    round every probe row as INVARIANT_ROWS-row calls do, else INVARIANT_ROWS. The probe rows are heavy-tailed, as
+    activations are: at SmolLM2's weights they show a 48- or 64-row call's differences for 109 and 113 of 121 weights.
+    A probe cannot prove agreement (tests/test_linear.py checks real rows); it keeps a CPU whose wide kernel rounds
+    differently from using it. Probed once per packed copy (and setting: a benchmark may change both)."""
+    _, packed, probed = _PACKED[weight]
+    setting = (INVARIANT_ROWS, CALL_ROWS)
+    if setting not in probed:
+        probed[setting] = CALL_ROWS if CALL_ROWS == INVARIANT_ROWS or _wide_calls_agree(packed, weight.shape[1]) else INVARIANT_ROWS
+    return probed[setting]
+
+
+def _wide_calls_agree(packed: torch.Tensor, in_features: int) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * CALL_ROWS, in_features, generator=generator)
+    x = (x * torch.exp(2 * torch.randn(x.shape, generator=generator))).to(packed.dtype)
+    return all(torch.equal(_packed_product(wide, packed, None),
+                           torch.cat([_packed_product(part, packed, None) for part in wide.split(INVARIANT_ROWS)]))
+               for wide in x.split(CALL_ROWS))
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
