@@ -5,11 +5,12 @@
 
 After a prefill of --context pseudo-random tokens, times `TargetModel.verify` on random trees of each size
 (nothing is committed, so every call sees the same cache) and one-token decode steps, eager and compiled
-(`eval.compile`: true or max-autotune; a compiled verify pads the tree to its size bucket, `verify_size`), interleaved over
---repeats rounds (in a fresh random order each round); medians. --both-linears times every forward twice, with prepacked weights and with
-`F.linear` (`eval.prepack`, weaver/models/linear.py), interleaved; --invariant-rows 8 16 16:32 times every forward
-once per setting of lossless bf16's fixed-size matmul calls: R rows a call, or R:C for rows padded to R and calls of
-at most C (`INVARIANT_ROWS`, `CALL_ROWS`; with model.dtype=bfloat16 on a CPU). --prefill N ... also times a prompt of N pseudo-random tokens read as decoders read it (`TargetModel.prefill`,
+(`eval.compile`: true or max-autotune; a compiled verify pads the tree to its size bucket, `verify_size`),
+interleaved over --repeats rounds (in a fresh random order each round); medians. --both-linears times every forward
+twice, with prepacked weights and with `F.linear` (`eval.prepack`, weaver/models/linear.py), interleaved;
+--invariant-rows 8 16 16:32 times every forward once per setting of lossless bf16's fixed-size matmul calls: R rows a
+call, or R:C for rows padded to R and calls of at most C (`INVARIANT_ROWS`, `CALL_ROWS`; with model.dtype=bfloat16 on
+a CPU). --prefill N ... also times a prompt of N pseudo-random tokens read as decoders read it (`TargetModel.prefill`,
 bf16's fast kernels) and read exactly (as a verify pass reads its nodes). Arguments other than the options are
 eval.py overrides (model, dtype, device).
 
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--both-linears", action="store_true", help="each forward with and without prepacked weights")
     parser.add_argument("--invariant-rows", type=str, nargs="+",
-                        help="each forward with bf16 matmul calls of these rows: R, or R:C for calls of R padded rows, at most C a call")
+                        help="each forward with bf16 matmul calls of these rows: R, or R:C (padded to R, at most C a call)")
     parser.add_argument("--prefill", type=int, nargs="+", default=[], help="also time prompts of these lengths")
     args, overrides = parser.parse_known_args()
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
