@@ -16,7 +16,10 @@ are eval.py overrides (before the options that take several values). `--paths FI
 `--orders N` also replays the prompts in N - 1 seeded shuffled orders (one trajectory is one draw of the planner's
 noise: the spread says how far a setting's lead is luck). Two reference rows say where the rest goes: the planner
 told the recording's mean accepted drafts (what its exploration alone costs) and each prompt at its own best fixed
-budget (what following the prompt could gain over the best single budget). The recording also keeps each step's
+budget (what following the prompt could gain over the best single budget). `--candidates 1,2,4 1,3,7` replays
+the planner choosing among each listed subset of the recorded candidates (record with their union in
+eval.auto_budget.candidates), every rate against the best fixed budget of the whole recording: which candidate
+list serves `auto` best on this machine. The recording also keeps each step's
 path probabilities (`Proposal.path_probs` of the tree's nodes), so the stepwise planner (`StepwisePlanner`: each
 step's budget from its own tree, opt-in for greedy chains and DDTrees: eval.auto_budget.stepwise) is replayed
 beside it, priced by the probe's costs of its own steps (which build the largest candidate's tree and verify its
@@ -132,6 +135,17 @@ def replay_stepwise(steps: Steps, expected_steps: Expected, costs: dict[int, flo
     return tokens / seconds, chosen
 
 
+def candidate_list(text: str) -> list[int]:
+    """`1,2,4` -> [1, 2, 4]: one --candidates subset."""
+    try:
+        budgets = sorted({int(b) for b in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of budgets, e.g. 1,2,4,8") from None
+    if not budgets or budgets[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: budgets are numbers of draft nodes (>= 1)")
+    return budgets
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="ddtree")
@@ -141,6 +155,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--orders", type=int, default=1, help="prompt orders replayed (the eval's first, then shuffles)")
     parser.add_argument("--paths", type=Path, default=None, help="recorded steps and costs: replayed if it exists, else written")
+    parser.add_argument("--candidates", type=candidate_list, nargs="+", default=None,
+                        help="comma-separated subsets of the recorded candidates to replay `auto` among (default: all)")
     args, overrides = parser.parse_known_args()
     torch.set_num_threads(args.threads)
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
@@ -179,16 +195,22 @@ def main() -> None:
     last = None
     auto = cfg.eval.auto_budget
     orders = [random.Random(seed).sample(steps, len(steps)) for seed in range(1, args.orders)]
-    for every, decay, reach in itertools.product(args.explore_every or [auto.explore_every], args.decay or [auto.decay],
-                                                 args.explore_reach or [auto.explore_reach]):
-        settings = f"explore_every {every}, decay {decay}, reach {reach}"
-        planner = functools.partial(BudgetPlanner, dict(costs), every, decay, reach)  # a fresh one per replay
+    subsets = args.candidates or [candidates]
+    missing = sorted({b for subset in subsets for b in subset} - set(candidates))
+    if missing:
+        raise SystemExit(f"--candidates {missing} were not recorded (recorded: {candidates}): record with their union "
+                         "in eval.auto_budget.candidates")
+    for subset, every, decay, reach in itertools.product(subsets, args.explore_every or [auto.explore_every],
+                                                         args.decay or [auto.decay], args.explore_reach or [auto.explore_reach]):
+        settings = f"explore_every {every}, decay {decay}, reach {reach}" + (f", among {subset}" if args.candidates else "")
+        subset_costs = {b: costs[b] for b in subset}
+        planner = functools.partial(BudgetPlanner, subset_costs, every, decay, reach)  # a fresh one per replay
         rate, chosen, last = replay(steps, planner(), costs)
         mix = ", ".join(f"{b}: {n}" for b, n in sorted(chosen.items()))
         spread = sorted([rate / best] + [replay(shuffled, planner(), costs)[0] / best for shuffled in orders])
         print(f"| auto ({settings}) | {rate:.1f} | {rate / best:.3f} | {mix} | "
               f"{statistics.median(spread):.3f} ({spread[0]:.3f}-{spread[-1]:.3f}) |")
-        known = replay(steps, KnownMeans(steps, costs, every, decay, reach), costs)[0]
+        known = replay(steps, KnownMeans(steps, subset_costs, every, decay, reach), costs)[0]
         print(f"| auto knowing the mean accepted drafts ({settings}): exploration's cost | {known:.1f} | {known / best:.3f} | | |")
     if expected and stepwise_costs:
         rate, chosen = replay_stepwise(steps, expected, {int(b): c for b, c in stepwise_costs.items()})

@@ -124,6 +124,17 @@ def test_budget_replay_compares_auto_with_every_fixed_budget(smoke_outputs, tmp_
     again = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--method", "ddtree", "--explore-every", "2",
                        "4", "--threads", "1", "--orders", "3", "--paths", str(tmp_path / "paths.json"), "eval.datasets=[heldout_code]")
     assert again.returncode == 0 and again.stdout.splitlines()[-12:] == done.stdout.splitlines()[-12:]  # replayed from the file
+    subsets = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "eval.datasets=[heldout_code]", "--method",
+                         "ddtree", "--paths", str(tmp_path / "paths.json"), "--candidates", "4,1", "2")
+    assert subsets.returncode == 0, subsets.stderr[-2000:]
+    ratios = {row.split("|")[1].strip(): float(row.split("|")[3]) for row in subsets.stdout.splitlines()
+              if row.startswith("| ") and "---" not in row and "budget" not in row and "prompt" not in row and "heldout" not in row}
+    assert {"auto (explore_every 8, decay 0.98, reach 1.75, among [1, 4])", "auto (explore_every 8, decay 0.98, reach 1.75, among [2])"} <= set(ratios)
+    assert max(ratios[b] for b in ("1", "2", "4")) == 1.0  # still against the whole recording's best fixed budget
+    assert ratios["auto (explore_every 8, decay 0.98, reach 1.75, among [2])"] == ratios["2"]  # one candidate: that budget
+    unrecorded = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--method", "ddtree", "--paths",
+                            str(tmp_path / "paths.json"), "--candidates", "1,8")
+    assert unrecorded.returncode != 0 and "--candidates [8] were not recorded (recorded: [1, 2, 4])" in unrecorded.stderr
     other = run_script("benchmarks/budget_replay.py", smoke_outputs, "+experiment=smoke", "--method", "weaver", "--paths",
                        str(tmp_path / "paths.json"))
     assert other.returncode != 0 and "records ddtree on smoke, not weaver on smoke" in other.stderr
