@@ -146,6 +146,14 @@ def candidate_list(text: str) -> list[int]:
     return budgets
 
 
+def check_recorded(subsets: list[list[int]] | None, candidates: list[int]) -> None:
+    """--candidates subsets replay only budgets the recording has."""
+    missing = sorted({b for subset in subsets or [] for b in subset} - set(candidates))
+    if missing:
+        raise SystemExit(f"--candidates {missing} were not recorded (recorded: {candidates}): record with their union "
+                         "in eval.auto_budget.candidates")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="ddtree")
@@ -172,11 +180,13 @@ def main() -> None:
                              f"{args.method} on {cfg.experiment}: another --paths file, or delete it to record again")
         costs = {int(b): c for b, c in recorded["costs"].items()}
         steps, candidates, cpu = [tuple(prompt) for prompt in recorded["steps"]], list(costs), recorded["cpu"]
+        check_recorded(args.candidates, candidates)
         expected, stepwise_costs = recorded.get("expected"), recorded.get("stepwise_costs")  # older recordings lack them
     else:
         models, tokenizer = load_models(cfg)
-        costs = step_costs(models, cfg, args.method)
         candidates = auto_candidates(cfg, models, args.method)
+        check_recorded(args.candidates, candidates)  # before the probe and the recording, not after
+        costs = step_costs(models, cfg, args.method)
         stepwise_costs = step_costs(models, cfg, args.method, stepwise=True)
         steps, expected = record_paths(models, tokenizer, cfg, args.method, {candidates[-1]: costs[candidates[-1]]})
         cpu = f"{torch.backends.cpu.get_cpu_capability()}, {args.threads} threads"
@@ -196,10 +206,6 @@ def main() -> None:
     auto = cfg.eval.auto_budget
     orders = [random.Random(seed).sample(steps, len(steps)) for seed in range(1, args.orders)]
     subsets = args.candidates or [candidates]
-    missing = sorted({b for subset in subsets for b in subset} - set(candidates))
-    if missing:
-        raise SystemExit(f"--candidates {missing} were not recorded (recorded: {candidates}): record with their union "
-                         "in eval.auto_budget.candidates")
     for subset, every, decay, reach in itertools.product(subsets, args.explore_every or [auto.explore_every],
                                                          args.decay or [auto.decay], args.explore_reach or [auto.explore_reach]):
         settings = f"explore_every {every}, decay {decay}, reach {reach}" + (f", among {subset}" if args.candidates else "")
