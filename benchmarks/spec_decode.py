@@ -10,7 +10,8 @@ load hit all of them alike; medians over rounds.
 --best sweeps every budget of eval.budgets (and the chain's block, plus `auto` where eval.budgets has it)
 for each of --methods and marks each method's best. A run may set weaver.search for itself
 (weaver:8:rescore=4,nodes_per_call=2), eval.auto_budget for itself (ddtree:auto:stepwise=1), or, at temperature > 0,
-its acceptance rule (ddtree:4:sampling=traversal; default eval.sampling), so that settings are compared in one
+its acceptance rule (ddtree:4:sampling=traversal; default eval.sampling) and fixed children per node
+(ddtree:8:fixed_children=2; default eval.fixed_children), so that settings are compared in one
 process. Arguments other than the options are eval.py
 overrides (prompt sets, n_prompts, max_new_tokens, ...). A round decodes every prompt of every dataset
 once per run (each run's generator and `auto` planner carried from prompt to prompt, fresh each round). The
@@ -58,12 +59,12 @@ def parse_run(text: str) -> tuple[str, int | str, dict[str, int | str]]:
 
 def with_settings(cfg: DictConfig, settings: dict[str, int | str]) -> DictConfig:
     """cfg with a run's own settings: eval.auto_budget's by their names (stepwise=1 compares `auto`'s planners
-    in one process), `sampling` as eval.sampling, the rest weaver.search's (unknown names are refused by the
-    config's schema)."""
+    in one process), `sampling` and `fixed_children` as eval's, the rest weaver.search's (unknown names are
+    refused by the config's schema)."""
     if not settings:
         return cfg
     auto = {k: v for k, v in settings.items() if k in cfg.eval.auto_budget}
-    rule = {k: v for k, v in settings.items() if k == "sampling"}
+    rule = {k: v for k, v in settings.items() if k in ("sampling", "fixed_children")}
     search = {k: v for k, v in settings.items() if k not in auto and k not in rule}
     return OmegaConf.merge(cfg, {"weaver": {"search": search}, "eval": {"auto_budget": auto, **rule}})
 

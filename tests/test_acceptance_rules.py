@@ -12,6 +12,8 @@ puts the bonus token after a fully accepted chain among the first two tokens too
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -156,10 +158,12 @@ def synthetic_problem(seed: int, chain: int = CHAIN) -> tuple[torch.Tensor, torc
 
 def first_two_tokens(rule, log_p: torch.Tensor, q: torch.Tensor, temperature: float, anchor: int, trials: int,
                      gen: torch.Generator, width: int = 1, budget: int | None = None,
-                     drawn: bool = True, priority=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     drawn: bool = True, priority=None, fixed: int = 0,
+                     forget_fixed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(trials, 2) first two tokens emitted by repeated verify steps from `anchor`, and how often each
     accepted depth occurred (over all steps). drawn=False builds the greedy (k-best) tree instead;
-    priority: the search's `AcceptanceTable` (weaver.calibration)."""
+    priority: the search's `AcceptanceTable` (weaver.calibration); fixed: each node's most probable children
+    taken as they are (forget_fixed: the rule is handed the nodes' whole distributions instead, a broken setup)."""
     depth = q.shape[1]
     budget = budget or depth
     out = torch.empty(trials, 2, dtype=torch.long)
@@ -168,7 +172,8 @@ def first_two_tokens(rule, log_p: torch.Tensor, q: torch.Tensor, temperature: fl
         emitted, a = [], anchor
         while len(emitted) < 2:
             proposal = best_first_tree(a, budget, depth, marginal_logprobs(q[a].log()), width,
-                                       generator=gen if drawn else None, priority=priority, device="cpu")
+                                       generator=gen if drawn else None, priority=priority, fixed=fixed, device="cpu")
+            proposal = dataclasses.replace(proposal, fixed=0) if forget_fixed else proposal
             tree = proposal.tree
             leaf, token = rule(tree, log_p[tree.tokens], proposal.child_probs, temperature, gen)  # row i: p(. | node i)
             assert 0 <= token < V
@@ -203,6 +208,61 @@ def test_sampling_rules_are_lossless(rule, temperature, chain, anchor, width, bu
     assert (accepted > 0.02 * accepted.sum()).all(), accepted  # every depth is reached, so every branch runs
     stat = chi_square(samples, log_p, temperature, anchor)
     assert stat < CHI2_CRIT_DF15, f"chi2 = {stat:.1f}"
+
+
+@pytest.mark.parametrize("temperature,chain,anchor,width,budget,fixed", [
+    (1.0, 3, 0, 1, 3, 1),  # a chain of fixed children: the target samples, the walk follows its token
+    (0.7, 3, 2, 2, 5, 1),  # one fixed child and one drawn per node
+    (1.0, 2, 0, 3, 6, 1),
+    (1.0, 2, 1, 3, 6, 2),
+])
+def test_rejection_sampling_with_fixed_children_is_lossless(temperature, chain, anchor, width, budget, fixed):
+    """Fixed children (each node's most probable, taken as they are, the rest drawn from what is left) are
+    reached by the rule's residual draw: the output is still an exact sample of the target."""
+    log_p, q = synthetic_problem(seed=1, chain=chain)
+    gen = torch.Generator().manual_seed(321)
+    samples, accepted = first_two_tokens(recursive_rejection_tree, log_p, q, temperature, anchor, TRIALS, gen, width,
+                                         budget, fixed=fixed)
+    assert (accepted[1:3] > 0.02 * accepted.sum()).all(), accepted  # fixed children and drawn ones are reached
+    stat = chi_square(samples, log_p, temperature, anchor)
+    assert stat < CHI2_CRIT_DF15, f"chi2 = {stat:.1f}"
+
+
+def test_fixed_children_verified_as_drawn_ones_are_detected():
+    """Handing the rule the nodes' whole distributions (fixed children tested as if drawn, drawn ones against
+    the wrong q) biases the output."""
+    log_p, q = synthetic_problem(seed=1, chain=2)
+    gen = torch.Generator().manual_seed(5)
+    samples, _ = first_two_tokens(recursive_rejection_tree, log_p, q, 1.0, 0, BROKEN_TRIALS, gen, 3, 6, fixed=1,
+                                  forget_fixed=True)
+    assert chi_square(samples, log_p, 1.0, 0) > CHI2_CRIT_DF15
+
+
+@pytest.mark.parametrize("fixed", [1, 2])
+def test_a_node_with_fixed_children_accepts_their_target_mass_on_top(fixed):
+    """One node, its `fixed` most probable tokens fixed and one child drawn from the rest (q'): the rule accepts
+    a draft with probability p(fixed) + sum over the rest of min(p, q'), the most any coupling of the target's
+    token with that set can (docs/method.md §2.5); on this problem, a flat draft that ranks the target's favourite
+    first, plain recursive rejection sampling of as many drawn children accepts less (0.80 / 0.93 against 0.91 / 1.00)."""
+    p = torch.tensor([0.50, 0.10, 0.05, 0.05, 0.30])
+    q = torch.tensor([0.24, 0.22, 0.20, 0.18, 0.16])
+    rest = q.clone()
+    rest[:fixed] = 0
+    rest /= rest.sum()
+    exact = float(p[:fixed].sum() + torch.minimum(p[fixed:], rest[fixed:]).sum())
+    logits = p.log().expand(2 + fixed, -1)  # every node's target distribution is p (only the root's is read)
+    scores = marginal_logprobs(q.log()[None])
+    gen = torch.Generator().manual_seed(0)
+    rates = {}
+    for k in (0, fixed):
+        hits = 0
+        for _ in range(TRIALS):
+            proposal = best_first_tree(9, fixed + 1, 1, scores, fixed + 1, generator=gen, fixed=k, device="cpu")
+            leaf, _ = recursive_rejection_tree(proposal.tree, logits, proposal.child_probs, 1.0, gen)
+            hits += leaf != 0
+        rates[k] = hits / TRIALS
+    assert abs(rates[fixed] - exact) < max(4 * (exact * (1 - exact) / TRIALS) ** 0.5, 2e-3), (rates, exact)
+    assert rates[fixed] > rates[0] + 0.05, rates
 
 
 @pytest.mark.parametrize("name,chain,width,budget,trials", [

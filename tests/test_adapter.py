@@ -234,11 +234,12 @@ ALPHA = 1e-3
 
 
 def first_two_tokens(target, drafter, adapter, sampling: str, trials: int, method: str = "weaver",
-                     draft_temperature: float | None = None) -> torch.Tensor:
+                     draft_temperature: float | None = None, fixed_children: int = 0, budget: int = 6) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     out = [speculative_generate(target, drafter, PROMPT, 2, temperature=TEMPERATURE, generator=gen, method=method,
-                                budget=6, adapter=adapter, sampling=sampling, children=3,
-                                draft_temperature=draft_temperature)[0] for _ in range(trials)]
+                                budget=budget, adapter=adapter, sampling=sampling, children=3,
+                                draft_temperature=draft_temperature, fixed_children=fixed_children)[0]
+           for _ in range(trials)]
     return torch.tensor(out)
 
 
@@ -290,6 +291,17 @@ def test_sampling_at_another_draft_temperature_reproduces_the_target_distributio
     torch.manual_seed(3)
     adapter = make_adapter(target, pool_size=VOCAB)
     samples = first_two_tokens(target, drafter, adapter, "rrs", TRIALS, method, draft_temperature)
+    assert chi_square_pvalue(samples, target_joint(target)) > ALPHA
+
+
+@pytest.mark.parametrize("method,fixed", [("chain", 1), ("ddtree", 1), ("weaver", 1), ("weaver", 2)])
+def test_sampling_with_fixed_children_reproduces_the_target_distribution(target, drafter, method, fixed):
+    """Each node's most probable children taken as they are, the rest drawn from what is left, through the whole
+    engine: still an exact sample of the target."""
+    torch.manual_seed(3)
+    adapter = make_adapter(target, pool_size=VOCAB)
+    samples = first_two_tokens(target, drafter, adapter, "rrs", TRIALS, method, fixed_children=fixed,
+                               budget=5 if method == "chain" else 6)  # a chain holds block_size - 1 drafts
     assert chi_square_pvalue(samples, target_joint(target)) > ALPHA
 
 

@@ -196,7 +196,8 @@ OTHER_TOKENIZER = tokenizer_fingerprint(word_tokenizer(VOCAB, "w"))  # same size
 def eval_config(**changes) -> OmegaConf:
     """A config with the eval settings check_names and the SGLang backend read (defaults: a valid one)."""
     e = {"methods": ["ar"], "datasets": [], "budgets": [4], "seed": 0, "backend": "torch", "rrs_priority": "draft",
-         "draft_temperature": None, "prepack": True, "sglang": {"python": None, "concurrency": [1]}}
+         "draft_temperature": None, "fixed_children": 0, "temperature": 1.0, "sampling": "rrs", "prepack": True,
+         "sglang": {"python": None, "concurrency": [1]}}
     return OmegaConf.create({"eval": {**e, **changes, "sglang": {**e["sglang"], **changes.get("sglang", {})}},
                              "prompt_sets": {}})
 
@@ -262,6 +263,15 @@ CASES = [
      "eval.draft_temperature must be a finite number > 0 or null, got 'sharp'"),
     ("SGLang backend asked for a draft temperature", lambda m, t: check_sglang_eval(eval_config(draft_temperature=0.8)),
      "eval.draft_temperature is a setting of the torch backend"),
+    ("eval.fixed_children negative", lambda m, t: check_names(eval_config(fixed_children=-1)),
+     "eval.fixed_children must be a whole number >= 0, got -1"),
+    ("fixed children with traversal verification", lambda m, t: check_names(eval_config(fixed_children=1, sampling="traversal")),
+     "eval.fixed_children needs eval.sampling=rrs, got 'traversal'"),
+    ("SGLang backend asked for fixed children", lambda m, t: check_sglang_eval(eval_config(fixed_children=2)),
+     "eval.fixed_children is a setting of the torch backend (the SGLang worker draws every child)"),
+    ("fixed children for speculative_generate with traversal",
+     lambda m, t: spec(m, method="ddtree", budget=4, temperature=1.0, sampling="traversal", fixed_children=1),
+     "fixed_children needs sampling 'rrs' (it reaches fixed children by its residual draw), got 'traversal'"),
     ("eval.prepack not a boolean", lambda m, t: check_names(eval_config(prepack="yes")),
      "eval.prepack must be true or false, got 'yes'"),
     ("unknown eval.backend", lambda m, t: check_names(eval_config(backend="vllm")),

@@ -252,6 +252,41 @@ def test_wave_search_equals_the_heap_reference(seed):
     assert len(fast.tree) <= budget + 1 and int(fast.tree.depth.max()) < depth + 1
 
 
+@pytest.mark.parametrize("search", [best_first_tree, best_first_reference], ids=["waves", "heap"])
+@pytest.mark.parametrize("fixed", [1, 2])
+def test_fixed_children_come_first_and_leave_the_drawn_ones_the_rest(search, fixed):
+    """With `fixed` children each expanded node's first children are its most probable tokens in order, its other
+    children come from the rest, and the distribution acceptance reads (`child_probs`) is the node's without the
+    fixed tokens (renormalised), so a fixed child is exactly a child of draft probability 0; the first drawn child
+    of the root is a plain sample from that rest."""
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    scores = marginal_logprobs(probs.log()[None].expand(3, -1))
+    gen = torch.Generator().manual_seed(0)
+    rest = probs.clone()
+    rest[:fixed] = 0
+    rest /= rest.sum()
+    firsts = torch.zeros(5)
+    for _ in range(2000):
+        proposal = search(9, 12, 3, scores, 4, generator=gen, fixed=fixed, device="cpu")
+        tree = proposal.tree
+        for node, q in proposal.child_probs.items():
+            kids = tree.tokens[tree.children(node)].tolist()
+            assert kids[:fixed] == list(range(min(fixed, len(kids))))
+            assert len(set(kids)) == len(kids) and all(k >= fixed for k in kids[fixed:])
+            torch.testing.assert_close(q, rest)
+        firsts[int(tree.tokens[tree.children(0)[fixed]])] += 1
+    torch.testing.assert_close(firsts / firsts.sum(), rest, atol=0.03, rtol=0)
+
+
+def test_fixed_children_of_a_sampled_chain_are_its_argmax():
+    """The chain with a fixed child per depth is the greedy chain, each child of draft probability 0 to the rule."""
+    logits = 3 * torch.randn(4, 9, generator=torch.Generator().manual_seed(1))
+    proposal = chain_tree(2, logits, 4, torch.Generator().manual_seed(0), fixed=1)
+    assert proposal.tree.tokens[1:].tolist() == logits.argmax(-1).tolist()
+    for node, q in proposal.child_probs.items():
+        assert float(q[int(proposal.tree.tokens[node + 1])]) == 0.0 and abs(float(q.sum()) - 1) < 1e-5
+
+
 def test_sampled_wave_search_draws_children_without_replacement():
     """Gumbel-top-k: no repeated sibling, children only from the support, each first child as often as
     the distribution says (a one-node-per-depth chain: the first draw is a plain sample)."""

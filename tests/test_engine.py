@@ -199,7 +199,7 @@ def test_a_method_added_by_one_registry_entry_is_decoded_and_evaluated(target, p
                                       method="sharpened", budget=6)
     assert out == ref and sum(stats.accepted) > 0
     cfg = OmegaConf.create({"eval": {"methods": ["ar", "sharpened"], "datasets": [], "budgets": [4, 8], "seed": 0,
-                                     "backend": "torch", "rrs_priority": "draft", "draft_temperature": None, "compile": False,
+                                     "backend": "torch", "rrs_priority": "draft", "draft_temperature": None, "fixed_children": 0, "compile": False,
                                      "prepack": True},
                              "prompt_sets": {}})
     check_names(cfg)

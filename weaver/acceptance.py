@@ -97,14 +97,21 @@ def recursive_rejection_tree(
     move to it; on rejection p <- normalised max(p - q, 0) and q <- q without c_i, renormalised (each
     step is one speculative-sampling step of p against q, so the emitted token is distributed as p);
     when every child is rejected, draw the token from the last p. On a chain this is standard speculative
-    sampling, the bonus token included. observe(node, rank, h) hears, at each child considered, the
-    probability h = sum_x min(p(x), q(x)) that a child drawn at that point is accepted (`weaver.calibration`).
+    sampling, the bonus token included. A child of draft probability 0 was not drawn but fixed (`fixed_children`:
+    q was the node's distribution without the fixed tokens, so the residual keeps all their target mass): it is
+    skipped, and reached when the final draw lands on it, which makes the node accept p(fixed) on top of what
+    the drawn children accept. A rejected drawn child cannot be drawn again (its residual is 0), so with no
+    fixed children this is plain recursive rejection sampling. observe(node, rank, h) hears, at each drawn child
+    considered, the probability h = sum_x min(p(x), q(x)) that a child drawn at that point is accepted
+    (`weaver.calibration`).
     """
     probs = torch.softmax(target_logits.float() / temperature, dim=-1)
     node = 0
     while True:
         p, q = probs[node], child_probs.get(node)
-        for rank, child in enumerate(tree.children(node)):
+        children = tree.children(node)
+        drawn = [c for c in children if q is not None and float(q[int(tree.tokens[c])]) > 0]
+        for rank, child in enumerate(drawn):
             if observe is not None:
                 observe(node, rank, float(torch.minimum(p, q).sum()))
             x = int(tree.tokens[child])
@@ -117,7 +124,11 @@ def recursive_rejection_tree(
             q[x] = 0.0
             q = q / q.sum() if q.sum() > 0 else q
         else:
-            return node, int(torch.multinomial(p, 1, generator=generator))
+            token = int(torch.multinomial(p, 1, generator=generator))
+            fixed = [c for c in children if c not in drawn and int(tree.tokens[c]) == token]
+            if not fixed:
+                return node, token
+            node = fixed[0]
 
 
 def traversal_tree(
@@ -147,6 +158,9 @@ def traversal_tree(
         for rank, child in enumerate(tree.children(node)):
             x = int(tree.tokens[child])
             px, qx = float(p[x]), float(q[x])
+            if qx == 0:
+                raise WeaverError("traversal verification settles drawn children only; a tree with fixed children "
+                                  "(fixed_children > 0) needs sampling 'rrs'")
             residual = (p * weight).sub_(q).clamp_min_(0)  # what the target still owes if this subtree rejects
             rho = float(residual.sum())
             if observe is not None:

@@ -63,7 +63,9 @@ class SearchConfig:
     and oracle searches expand per adapter / target call (default ceil(budget / 16), or with `anytime`
     ceil(tree size so far / 16), so that any budget's tree is a prefix of a larger one's: `budget: auto`);
     `compiled`: the Weaver search's adapter step through torch.compile (`weaver.models.compile`); `priority`: sampled trees rank nodes
-    by this table's estimated acceptance (`weaver.calibration`) instead of draft probability."""
+    by this table's estimated acceptance (`weaver.calibration`) instead of draft probability; `fixed_children`:
+    sampled trees take each node's that many most probable children as they are and draw the rest from the
+    mass outside them (`weaver.search`; recursive rejection sampling reaches them by its residual draw)."""
 
     budget: int
     children: int = DEFAULT_CHILDREN
@@ -74,6 +76,7 @@ class SearchConfig:
     anytime: bool = False
     priority: AcceptanceTable | None = None
     rescore: int | None = None
+    fixed_children: int = 0
 
     def per_call(self) -> int | Callable[[int], int]:
         return self.nodes_per_call or (expansion_batch if self.anytime else expansion_batch(self.budget))
@@ -93,11 +96,11 @@ def marginal_logprobs(draft_logits: torch.Tensor, temperature: float = 1.0, keep
 
 def marginal_tree(anchor: int, draft_logits: torch.Tensor, budget: int, width: int,
                   generator: torch.Generator | None, temperature: float,
-                  priority: AcceptanceTable | None = None) -> Proposal:
+                  priority: AcceptanceTable | None = None, fixed: int = 0) -> Proposal:
     """Best-first over the factorized marginals draft_logits (D, V): depth d scores use row d - 1."""
     child_logprobs = marginal_logprobs(draft_logits, temperature, None if generator else width)
     return best_first_tree(anchor, budget, len(draft_logits), child_logprobs, width, generator=generator,
-                           vocab_size=draft_logits.shape[-1], priority=priority, device=draft_logits.device)
+                           vocab_size=draft_logits.shape[-1], priority=priority, fixed=fixed, device=draft_logits.device)
 
 
 def support_of(vocab: torch.Tensor | None, rows: int) -> torch.Tensor | None:
@@ -107,32 +110,37 @@ def support_of(vocab: torch.Tensor | None, rows: int) -> torch.Tensor | None:
 
 
 def chain_tree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
-               temperature: float = 1.0, vocab: torch.Tensor | None = None) -> Proposal:
+               temperature: float = 1.0, vocab: torch.Tensor | None = None, fixed: int = 0) -> Proposal:
     """DFlash's chain: the argmax (or one Gumbel-max draw) per depth, `budget` drafts at most, in one shot:
     with one child per node the best-first search (`marginal_tree` with width 1, tested equal) is exactly
     the per-depth choice, and its one wave per node cost 10-12% of a tiny-target step. vocab: the drafter's
-    draft vocabulary (`proposable`)."""
+    draft vocabulary (`proposable`). Sampled with `fixed` > 0: the most probable token per depth, as a fixed
+    child (`weaver.search.ranked_children`'s choice of it)."""
     n = min(budget, len(draft_logits))
     log_marginals = (proposable(draft_logits[:n], vocab).float() / temperature).log_softmax(-1)
-    if generator is not None:
+    if generator is not None and fixed:
+        drafts = log_marginals.topk(1, dim=-1).indices[:, 0]  # the token `Proposal.child_probs` leaves out
+    elif generator is not None:
         uniform = torch.rand(log_marginals.shape, generator=generator, device=generator.device).to(log_marginals.device)
         drafts = argmax(log_marginals - (-uniform.log()).log())
     else:
         drafts = argmax(log_marginals)
     nodes = torch.arange(n, device=draft_logits.device)  # node i (depth i) is expanded by row i
     return Proposal(Tree.chain(torch.cat([drafts.new_full((1,), anchor), in_vocab(drafts, vocab)])),
-                    [(nodes, log_marginals, support_of(vocab, n))], draft_logits.shape[-1])
+                    [(nodes, log_marginals, support_of(vocab, n))], draft_logits.shape[-1],
+                    1 if generator is not None and fixed else 0)
 
 
 def ddtree(anchor: int, draft_logits: torch.Tensor, budget: int, generator: torch.Generator | None = None,
-           temperature: float = 1.0, priority: AcceptanceTable | None = None, vocab: torch.Tensor | None = None) -> Proposal:
+           temperature: float = 1.0, priority: AcceptanceTable | None = None, vocab: torch.Tensor | None = None,
+           fixed: int = 0) -> Proposal:
     """DDTree: up to `budget` children per node under the factorized marginals. Greedy trees in one pass per
     depth (`best_paths`, over the draft vocabulary `vocab` when there is one), sampled ones by the search
     (children drawn without replacement)."""
     if generator is None:
         return best_paths(anchor, draft_logits, budget, temperature, vocab)
     return marginal_tree(anchor, draft_logits, budget, min(budget, draft_logits.shape[-1]), generator, temperature,
-                         priority)
+                         priority, fixed)
 
 
 def best_paths(anchor: int, draft_logits: torch.Tensor, budget: int, temperature: float = 1.0,
@@ -163,7 +171,7 @@ def oracle_tree(step: StepInputs, search: SearchConfig) -> Proposal:
 
     return best_first_tree(step.anchor, search.budget, step.draft.logits.shape[1], logprobs,
                            min(search.budget, target.cfg.vocab_size), search.per_call(), search.generator,
-                           priority=search.priority, device=target.embed.weight.device)
+                           priority=search.priority, fixed=search.fixed_children, device=target.embed.weight.device)
 
 
 @exact_bf16(False)  # the adapter only proposes: bf16's fast kernels, as the drafter's (weaver.models.drafter)
@@ -194,7 +202,7 @@ def weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
 
     return best_first_tree(step.anchor, search.budget, len(draft_logits), logprobs, min(search.children, adapter.cfg.pool_size),
                            search.per_call(), search.generator, vocab_size=draft_logits.shape[-1], priority=search.priority,
-                           device=candidates.device)
+                           fixed=search.fixed_children, device=candidates.device)
 
 
 def rescored_weaver_tree(step: StepInputs, search: SearchConfig) -> Proposal:
@@ -307,10 +315,12 @@ class TreeMethod:
 # budget checks, eval.py (`eval.methods`) and the SGLang worker read this table.
 TREE_METHODS: dict[str, TreeMethod] = {
     "chain": TreeMethod(lambda step, search: chain_tree(step.anchor, step.draft.logits[0], search.budget,
-                                                        search.generator, search.temperature, step.draft.vocab),
+                                                        search.generator, search.temperature, step.draft.vocab,
+                                                        search.fixed_children),
                         chain_limit, whole_block=True, stepwise=True),
     "ddtree": TreeMethod(lambda step, search: ddtree(step.anchor, step.draft.logits[0], search.budget, search.generator,
-                                                     search.temperature, search.priority, step.draft.vocab),
+                                                     search.temperature, search.priority, step.draft.vocab,
+                                                     search.fixed_children),
                          vocabulary_limit, stepwise=True),
     "weaver": TreeMethod(weaver_tree, search_children_limit, needs=("adapter",)),
     "oracle": TreeMethod(oracle_tree, vocabulary_limit),

@@ -71,6 +71,7 @@ def check_request(
     target: TargetModel, drafter: Drafter, prompt: list[int], max_new_tokens: int, temperature: float, method: str,
     budget: "int | StepCosts | None", adapter: WeaverAdapter | None, sampling: str, children: int,
     nodes_per_call: int | None, rescore: int | None = None, draft_temperature: float | None = None,
+    fixed_children: int = 0,
 ) -> int:
     """Refuse a bad speculative request before any model runs, with one clear message; returns the largest
     budget a step may take. O(len(prompt)) on the host."""
@@ -81,6 +82,11 @@ def check_request(
         raise WeaverError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if draft_temperature is not None and (not is_finite_number(draft_temperature) or draft_temperature <= 0):
         raise WeaverError(f"draft_temperature must be a finite number > 0 or null, got {draft_temperature!r}")
+    if not is_count(fixed_children, 0):
+        raise WeaverError(f"fixed_children must be a whole number >= 0, got {fixed_children!r}")
+    if fixed_children and temperature > 0 and sampling != "rrs":
+        raise WeaverError(f"fixed_children needs sampling 'rrs' (it reaches fixed children by its residual draw), "
+                          f"got '{sampling}'")
     check_prompt(target.cfg, prompt, max_new_tokens)
     if isinstance(drafter, Drafter):
         check_pair(target, drafter)
@@ -127,6 +133,7 @@ def speculative_generate(
     priority: AcceptanceTable | None = None,
     rescore: int | None = None,
     draft_temperature: float | None = None,
+    fixed_children: int = 0,
     on_step: Callable[[Proposal, int, torch.Tensor], None] | None = None,
 ) -> tuple[list[int], SpecStats]:
     """New tokens for one prompt with draft trees, plus acceptance statistics.
@@ -148,7 +155,9 @@ def speculative_generate(
     nodes (`weaver.builders.rescored_weaver_tree`); None: the wave search. draft_temperature: with `rrs`, draw the
     trees from the draft distribution (drafter or adapter) at this temperature instead of `temperature`; rejection
     sampling is lossless for any draft distribution, so only acceptance changes (a sharper draft, < temperature,
-    is accepted more often when the drafter is weak). on_step: called after each step's acceptance with the step's
+    is accepted more often when the drafter is weak). fixed_children: with `rrs`, each node's that many most probable
+    children are taken as they are and the rest drawn from the mass outside them; the rule reaches a fixed child
+    when its residual draw lands on it (lossless; `weaver.search`). on_step: called after each step's acceptance with the step's
     proposal, the accepted node and the target's logits of the tree's nodes (rows past the tree: a compiled
     verify's padding) (diagnostics, e.g. `benchmarks/tree_calibration.py`, `benchmarks/sampling_rules.py`).
 
@@ -158,7 +167,7 @@ def speculative_generate(
     if children is None:
         children = default_children(adapter.cfg.pool_size if adapter is not None else None)
     max_budget = check_request(target, drafter, prompt, max_new_tokens, temperature, method, budget, adapter, sampling,
-                               children, nodes_per_call, rescore, draft_temperature)
+                               children, nodes_per_call, rescore, draft_temperature, fixed_children)
     planner = budget if isinstance(budget, StepCosts) else None
     budget = max_budget
     device = target.embed.weight.device
@@ -190,7 +199,8 @@ def speculative_generate(
         clock.lap("draft")
         proposal = propose(method, StepInputs(int(anchor), draft, hidden, target, cache, adapter), SearchConfig(
             step_budget, children, nodes_per_call, generator if drawn else None, tree_temperature, compiled,
-            anytime=planner is not None, priority=priority if drawn else None, rescore=rescore))
+            anytime=planner is not None, priority=priority if drawn else None, rescore=rescore,
+            fixed_children=fixed_children if drawn else 0))
         if planner and (cut := planner.cut(proposal)) is not proposal:  # verify the first nodes only
             proposal, step_budget = cut, len(cut.tree) - 1
         tree = proposal.tree

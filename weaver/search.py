@@ -11,7 +11,10 @@ Greedy decoding takes each node's children in order of probability (k-best searc
 without replacement from the node's distribution, all at once by Gumbel-top-k (a draw in that order has
 the law of successive draws); a slot's priority then uses the mass still undrawn, which depends only on
 the children drawn before it, so whether a child exists never depends on its own value: the condition
-recursive rejection sampling (`weaver.acceptance.recursive_rejection_tree`) needs. With an
+recursive rejection sampling (`weaver.acceptance.recursive_rejection_tree`) needs. With `fixed` children a
+sampled node's `fixed` most probable children come first, taken as they are, and the rest are drawn from the
+mass outside them (the draft of Hu et al. 2025's greedy multi-draft, per node); the rule reaches a fixed child
+when the target's residual draw lands on it. With an
 `AcceptanceTable` (`weaver.calibration`) a sampled child's share of the path score is instead the table's
 estimate of the log-probability that RRS reaches it from its node.
 """
@@ -86,13 +89,16 @@ class Proposal:
     tree: Tree
     expansions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]  # (nodes, log-probs, tokens or None)
     vocab_size: int | None  # needed only for supports given as tokens
+    fixed: int = 0  # sampled trees: each node's `fixed` most probable children were taken, not drawn
 
     @functools.cached_property
     def child_probs(self) -> dict[int, torch.Tensor]:
-        """Expanded node -> (V,) distribution its children were taken from (what acceptance reads)."""
+        """Expanded node -> (V,) distribution its drawn children were drawn from (what acceptance reads): the
+        node's distribution, without its `fixed` most probable tokens (renormalised; all zero when nothing is
+        left to draw), so a fixed child is the child of draft probability 0."""
         probs: dict[int, torch.Tensor] = {}
         for nodes, logprobs, support in self.expansions:
-            p = logprobs.float().exp()
+            p = without_fixed(logprobs.float(), self.fixed).exp()
             if support is not None:
                 p = p.new_zeros(len(p), self.vocab_size).scatter_(1, support, p)
             probs.update(zip(nodes.tolist(), p))
@@ -132,18 +138,35 @@ class Proposal:
                                   tree.ancestors[: n + 1, : n + 1].contiguous())
         kept = [(nodes[nodes <= n], logprobs[nodes <= n], None if support is None else support[nodes <= n])
                 for nodes, logprobs, support in self.expansions]
-        return Proposal(cut, [e for e in kept if len(e[0])], self.vocab_size)
+        return Proposal(cut, [e for e in kept if len(e[0])], self.vocab_size, self.fixed)
 
 
-def ranked_children(logprobs: torch.Tensor, width: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def without_fixed(logprobs: torch.Tensor, fixed: int) -> torch.Tensor:
+    """(n, K) log-probs of the distribution each row's drawn children come from: the row without its `fixed`
+    most probable entries, renormalised (rows with no mass left: all -inf)."""
+    if fixed == 0:
+        return logprobs
+    rest = logprobs.scatter(-1, logprobs.topk(min(fixed, logprobs.shape[-1]), dim=-1).indices, -math.inf)
+    return rest - rest.logsumexp(-1, keepdim=True).clamp_min(-1e30)  # -inf rows stay -inf, not NaN
+
+
+def ranked_children(logprobs: torch.Tensor, width: int, generator: torch.Generator | None,
+                    fixed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, log mass), each (n, w): the support indices of each row's first w children and the log of the
-    mass each child's slot takes (greedy: its probability; sampled: the mass still undrawn before it)."""
+    mass each child's slot takes (greedy: its probability; sampled: the mass still undrawn before it, the
+    `fixed` most probable children first, taken in order of probability, then draws from the rest)."""
     w = min(width, logprobs.shape[-1])
     if generator is None:
         logp, order = logprobs.topk(w, dim=-1)
         return order, logp
     uniform = torch.rand(logprobs.shape, generator=generator, device=generator.device).to(logprobs.device)
-    order = (logprobs - (-uniform.log()).log()).topk(w, dim=-1).indices  # Gumbel-top-k
+    keys = logprobs - (-uniform.log()).log()  # Gumbel-top-k
+    if fixed:  # the fixed children in order of probability, then draws from the rest
+        top = logprobs.topk(min(fixed, logprobs.shape[-1]), dim=-1).indices
+        rest = keys.scatter(-1, top, -math.inf).topk(max(w - top.shape[-1], 0), dim=-1).indices
+        order = torch.cat([top, rest], -1)[:, :w]
+    else:
+        order = keys.topk(w, dim=-1).indices
     drawn = logprobs.gather(1, order).exp()
     undrawn = logprobs.exp().sum(-1, keepdim=True) - (drawn.cumsum(-1) - drawn)
     return order, torch.where((undrawn > 1e-12) & (drawn > 0), undrawn.clamp_min(1e-12).log(), -math.inf)
@@ -175,11 +198,13 @@ class Slots:
 def best_first_tree(
     anchor: int, budget: int, max_depth: int, child_logprobs: ChildLogProbs, width: int,
     nodes_per_call: int | Callable[[int], int] = 1, generator: torch.Generator | None = None,
-    vocab_size: int | None = None, priority: AcceptanceTable | None = None, *, device: torch.device | str,
+    vocab_size: int | None = None, priority: AcceptanceTable | None = None, fixed: int = 0, *,
+    device: torch.device | str,
 ) -> Proposal:
     """The tree of at most `budget` draft nodes below `anchor` (node 0), nodes in the order taken.
 
-    generator None: greedy (k-best) order; otherwise children are drawn without replacement.
+    generator None: greedy (k-best) order; otherwise children are drawn without replacement, after each node's
+    `fixed` most probable ones (taken as they are).
     nodes_per_call: nodes per expansion wave, or a function of the tree's size so far (a schedule that does
     not depend on the budget keeps the budget-b tree equal to the first b nodes of any larger one).
     vocab_size: needed when `child_logprobs` returns supports rather than vocabulary rows.
@@ -198,7 +223,7 @@ def best_first_tree(
         if support is not None and vocab_size is None:
             raise WeaverError("best_first_tree needs vocab_size when child_logprobs returns token supports")
         logprobs = logprobs.float()
-        order, log_mass = ranked_children(logprobs, width, generator)
+        order, log_mass = ranked_children(logprobs, width, generator, fixed)
         tokens = order if support is None else support.gather(1, order)
         gains = logprobs.gather(1, order)
         if priority is not None and generator is not None:
@@ -216,13 +241,14 @@ def best_first_tree(
         new = grown.add(parents, tokens, gains)
         if grown.size <= budget:
             expand(new)
-    return Proposal(grown.tree(), expansions, vocab_size)
+    return Proposal(grown.tree(), expansions, vocab_size, fixed if generator is not None else 0)
 
 
 def best_first_reference(
     anchor: int, budget: int, max_depth: int, child_logprobs: ChildLogProbs, width: int,
     nodes_per_call: int | Callable[[int], int] = 1, generator: torch.Generator | None = None,
-    vocab_size: int | None = None, priority: AcceptanceTable | None = None, *, device: torch.device | str,
+    vocab_size: int | None = None, priority: AcceptanceTable | None = None, fixed: int = 0, *,
+    device: torch.device | str,
 ) -> Proposal:
     """`best_first_tree` written plainly: a heap of slots popped one at a time, each sampled child drawn
     by its own `torch.multinomial`. Greedy trees equal the fast search's, and so do the shapes of calibrated
@@ -252,7 +278,7 @@ def best_first_reference(
                 confidence = logprobs[j].float().max().exp()[None]
                 reach = priority.child_log_reach(grown.depths[n][None] + 1, confidence, width)[0].cpu()
             children[n] = _Children(logprobs[j].float().cpu(), None if support is None else support[j].cpu(),
-                                    width, generator, reach)
+                                    width, generator, reach, fixed)
             push_slot(n)
 
     expand([0])
@@ -268,19 +294,21 @@ def best_first_reference(
             push_slot(parent)
         if grown.size <= budget:
             expand(new)
-    return Proposal(grown.tree(), expansions, vocab_size)
+    return Proposal(grown.tree(), expansions, vocab_size, fixed if generator is not None else 0)
 
 
 class _Children:
     """The children of one expanded node, one at a time: in order of probability, or drawn without
-    replacement from the node's distribution over its support; `reach`: the calibrated log-reach of each
-    rank (sampled trees with an `AcceptanceTable`)."""
+    replacement from the node's distribution over its support after its `fixed` most probable ones; `reach`:
+    the calibrated log-reach of each rank (sampled trees with an `AcceptanceTable`)."""
 
     def __init__(self, logprobs: torch.Tensor, support: torch.Tensor | None, width: int,
-                 generator: torch.Generator | None, reach: torch.Tensor | None = None):
+                 generator: torch.Generator | None, reach: torch.Tensor | None = None, fixed: int = 0):
         self.logprobs, self.support, self.generator, self.reach = logprobs, support, generator, reach
         self.width, self.taken = min(width, len(logprobs)), 0
         self.ranked = logprobs.argsort(descending=True)
+        top = logprobs.topk(min(fixed, len(logprobs))).indices if generator is not None else self.ranked[:0]
+        self.fixed = top[logprobs[top] > -math.inf]  # a fixed child of probability 0 is never taken (as in the waves)
         self.undrawn = logprobs.exp()
 
     def next_log_mass(self) -> float | None:
@@ -299,6 +327,9 @@ class _Children:
         """(token, share of the path score) of the next child: its log-prob, or its calibrated log-reach."""
         if self.generator is None:
             index = int(self.ranked[self.taken])
+        elif self.taken < len(self.fixed):
+            index = int(self.fixed[self.taken])
+            self.undrawn[index] = 0.0
         else:
             index = int(torch.multinomial(self.undrawn, 1, generator=self.generator))
             self.undrawn[index] = 0.0

@@ -34,14 +34,14 @@ from weaver.io import atomic_write_json, atomic_write_text, writable_dir
 MACRO = "macro"
 # What makes two rows the same measurement; the last one in the file wins.
 KEY_FIELDS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "priority", "draft_temperature",
-              "seed", "backend", "concurrency", "n_prompts", "prompt_tokens", "max_new_tokens")
+              "fixed_children", "seed", "backend", "concurrency", "n_prompts", "prompt_tokens", "max_new_tokens")
 DEFAULTS = {"backend": "torch", "concurrency": 1}  # of rows written before those fields existed
 # What an AR row must share with a row for its tokens/s to be that row's baseline.
 BASELINE_FIELDS = ("experiment", "dataset", "temperature", "backend", "concurrency", "n_prompts", "prompt_tokens",
                    "max_new_tokens")
 MACRO_FIELDS = ("tau", "tokens_per_s", "speedup_vs_ar")
 SUMMARY_COLUMNS = ("experiment", "dataset", "method", "budget", "temperature", "sampling", "priority", "draft_temperature",
-                   "seed", "backend", "concurrency", "n_seeds", "tau",
+                   "fixed_children", "seed", "backend", "concurrency", "n_seeds", "tau",
                    "tau_std_over_seeds", "tokens_per_s", "speedup_vs_ar",
                    "greedy_match", "matches_transformers", "mean_budget", "prefill_share", "draft_share", "search_share", "verify_share",
                    "accept_share", "commit_share", "other_share", "n_prompts", "n_tokens", "prompt_tokens", "max_new_tokens")
@@ -62,7 +62,7 @@ def result_row(cfg, dataset: str, method: str, budget: int | None, r: dict, ar: 
     return {
         "experiment": cfg.experiment, "dataset": dataset, "method": method, "budget": budget,
         "temperature": e.temperature, "sampling": e.sampling if e.temperature > 0 else None,
-        "priority": tree_priority(e), "draft_temperature": draft_temperature(e),
+        "priority": tree_priority(e), "draft_temperature": draft_temperature(e), "fixed_children": fixed_children(e),
         "seed": e.seed if e.temperature > 0 else None, "backend": backend, "concurrency": concurrency,
         "tau": r["tau"], "tokens_per_s": r["tokens_per_s"],
         "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"] if ar else None,
@@ -89,6 +89,12 @@ def draft_temperature(e) -> float | None:
     """The temperature drawn trees were drawn at, when not the sampling temperature (None: rows written before
     `eval.draft_temperature` existed are those)."""
     return e.draft_temperature if draws_trees(e) and e.draft_temperature not in (None, e.temperature) else None
+
+
+def fixed_children(e) -> int | None:
+    """How many of each node's children drawn trees took as they are (None: none, as in rows written before
+    `eval.fixed_children` existed)."""
+    return e.fixed_children if draws_trees(e) and e.fixed_children else None
 
 
 RUN_FIELDS = ("run_id", "dataset", "method", "budget", "backend", "concurrency")  # one row per measurement of a run
@@ -172,8 +178,8 @@ def with_speedups(rows: list[dict]) -> list[dict]:
 def macro_rows(rows: list[dict]) -> list[dict]:
     """Per (experiment, method, budget, temperature, sampling rule) measured on two or more datasets: means
     over datasets and seeds, and the spread of the per-seed macro τ (standard deviation over seeds)."""
-    group_fields = ("experiment", "method", "budget", "temperature", "sampling", "priority", "draft_temperature", "backend",
-                    "concurrency")
+    group_fields = ("experiment", "method", "budget", "temperature", "sampling", "priority", "draft_temperature",
+                    "fixed_children", "backend", "concurrency")
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r["dataset"] != MACRO:
@@ -248,9 +254,11 @@ def markdown_table(rows: list[dict]) -> str:
 def method_label(row: dict) -> str:
     """The method, with its sampled trees' priority when not the draft's and their draft temperature when not the
     sampling one, and the serving backend and concurrency when it is not weaver's own engine at batch 1."""
-    backend, concurrency, priority, draft_t = _key(row, ("backend", "concurrency", "priority", "draft_temperature"))
+    backend, concurrency, priority, draft_t, fixed = _key(row, ("backend", "concurrency", "priority", "draft_temperature",
+                                                                "fixed_children"))
     label = row["method"] if priority is None else f"{row['method']}, {priority} priority"
     label = label if draft_t is None else f"{label}, draft T={draft_t:g}"
+    label = label if fixed is None else f"{label}, {fixed} fixed"
     return label if backend == "torch" else f"{label} ({backend}, {concurrency} in flight)"
 
 

@@ -187,7 +187,7 @@ def speculative_decoder(models: Models, cfg: DictConfig, method: str, eos: int |
     priority = RRS_PRIORITIES[e.rrs_priority]()  # one table learns across the run's prompts
     options = dict(sampling=e.sampling, children=search.children, nodes_per_call=search.nodes_per_call,
                    rescore=search.rescore, compiled=e.compile, priority=priority,
-                   draft_temperature=e.draft_temperature, on_step=on_step, **extra)
+                   draft_temperature=e.draft_temperature, fixed_children=e.fixed_children, on_step=on_step, **extra)
     max_new_tokens = max_new_tokens or e.max_new_tokens
     return lambda prompt, budget: speculative_generate(models["target"], models["drafter"], prompt, max_new_tokens,
                                                        e.temperature, eos, generator, method, budget, **options)
@@ -272,6 +272,10 @@ def check_names(cfg: DictConfig) -> None:
     draft_t = cfg.eval.draft_temperature
     if draft_t is not None and (not is_finite_number(draft_t) or draft_t <= 0):
         raise WeaverError(f"eval.draft_temperature must be a finite number > 0 or null, got {draft_t!r}")
+    if not is_count(cfg.eval.fixed_children, 0):
+        raise WeaverError(f"eval.fixed_children must be a whole number >= 0, got {cfg.eval.fixed_children!r}")
+    if cfg.eval.fixed_children and cfg.eval.temperature > 0 and cfg.eval.sampling != "rrs":
+        raise WeaverError(f"eval.fixed_children needs eval.sampling=rrs, got {cfg.eval.sampling!r}")
     if not isinstance(cfg.eval.prepack, bool):
         raise WeaverError(f"eval.prepack must be true or false, got {cfg.eval.prepack!r}")
     if "auto" in cfg.eval.budgets:

@@ -71,6 +71,8 @@ def check_sglang_eval(cfg: DictConfig) -> None:
     if e.draft_temperature is not None:
         raise WeaverError("eval.backend=sglang draws trees at each request's own temperature; "
                           "eval.draft_temperature is a setting of the torch backend")
+    if e.fixed_children:
+        raise WeaverError("eval.fixed_children is a setting of the torch backend (the SGLang worker draws every child)")
     if not e.sglang.concurrency or any(not is_count(c) for c in e.sglang.concurrency):
         raise WeaverError(f"eval.sglang.concurrency must list whole numbers >= 1, got {e.sglang.concurrency}")
 
