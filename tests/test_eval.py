@@ -36,7 +36,7 @@ def test_unreachable_hub_dataset_is_one_clear_line(smoke_outputs, tmp_path):
 EVAL_OVERRIDES = [
     "weaver.search.children=4", "weaver.search.nodes_per_call=2", "weaver.search.pool=128", "weaver.search.rescore=4",
     "eval.budgets=[8,16]", "eval.methods=[weaver]", "eval.temperature=1", "eval.sampling=target_only",
-    "eval.draft_temperature=0.8", "model.dtype=bfloat16", "model.dtype=float32", "drafter.dtype=auto",
+    "eval.draft_temperature=0.8", "eval.fixed_children=2", "model.dtype=bfloat16", "model.dtype=float32", "drafter.dtype=auto",
     "drafter.dtype=bfloat16",
     "eval.datasets=[humaneval]", "eval.n_prompts=2", "eval.compile=false", "device=cpu",
 ]

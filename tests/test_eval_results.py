@@ -90,6 +90,14 @@ def test_a_draft_temperature_is_its_own_measurement():
     assert "| macro | ddtree, draft T=0.8 | 8 | 1 | - | 2.90 |" in markdown_table(summary)
 
 
+def test_fixed_children_are_their_own_measurement():
+    plain, fixed = _sampled(ROWS, 0, 0.0), [{**r, "fixed_children": 2} for r in _sampled(ROWS, 0, 0.1)]
+    summary = summarize(plain + fixed)
+    macro = {(r["method"], r["budget"], r["fixed_children"]): r["tau"] for r in summary if r["dataset"] == "macro"}
+    assert macro["ddtree", 8, None] == pytest.approx(2.6) and macro["ddtree", 8, 2] == pytest.approx(2.7)
+    assert "| macro | ddtree, 2 fixed | 8 | 1 | - | 2.70 |" in markdown_table(summary)
+
+
 def test_figures_plot_the_mean_over_seeds():
     merged = mean_over_seeds(_sampled(ROWS, 0, 0.0) + _sampled(ROWS, 1, 0.2))
     assert len(merged) == len(ROWS)
