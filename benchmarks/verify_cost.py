@@ -54,6 +54,14 @@ def invariant_rows(rows: int, call_rows: int | None = None) -> Iterator[None]:
         linear.INVARIANT_ROWS, linear.CALL_ROWS = before
 
 
+def row_setting(text: str) -> str:
+    """An --invariant-rows entry, checked: R or R:C, whole numbers >= 1."""
+    parts = text.split(":")
+    if not 1 <= len(parts) <= 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected R or R:C (whole numbers >= 1), got '{text}'")
+    return text
+
+
 def random_tree(size: int, vocab: int, generator: torch.Generator) -> Tree:
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, size)]
     return Tree(torch.randint(vocab, (size,), generator=generator), torch.tensor(parents))
@@ -66,7 +74,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--both-linears", action="store_true", help="each forward with and without prepacked weights")
-    parser.add_argument("--invariant-rows", type=str, nargs="+",
+    parser.add_argument("--invariant-rows", type=row_setting, nargs="+",
                         help="each forward with bf16 matmul calls of these rows: R, or R:C (padded to R, at most C a call)")
     parser.add_argument("--prefill", type=int, nargs="+", default=[], help="also time prompts of these lengths")
     args, overrides = parser.parse_known_args()
