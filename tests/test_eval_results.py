@@ -82,20 +82,16 @@ def test_sampling_seeds_are_separate_rows_and_macro_gives_their_spread():
     assert all(r.get("tau_std_over_seeds") is None for r in one_seed)
 
 
-def test_a_draft_temperature_is_its_own_measurement():
-    plain, sharp = _sampled(ROWS, 0, 0.0), [{**r, "draft_temperature": 0.8} for r in _sampled(ROWS, 0, 0.3)]
-    summary = summarize(plain + sharp)
-    macro = {(r["method"], r["budget"], r["draft_temperature"]): r["tau"] for r in summary if r["dataset"] == "macro"}
-    assert macro["ddtree", 8, None] == pytest.approx(2.6) and macro["ddtree", 8, 0.8] == pytest.approx(2.9)
-    assert "| macro | ddtree, draft T=0.8 | 8 | 1 | - | 2.90 |" in markdown_table(summary)
-
-
-def test_fixed_children_are_their_own_measurement():
-    plain, fixed = _sampled(ROWS, 0, 0.0), [{**r, "fixed_children": 2} for r in _sampled(ROWS, 0, 0.1)]
-    summary = summarize(plain + fixed)
-    macro = {(r["method"], r["budget"], r["fixed_children"]): r["tau"] for r in summary if r["dataset"] == "macro"}
-    assert macro["ddtree", 8, None] == pytest.approx(2.6) and macro["ddtree", 8, 2] == pytest.approx(2.7)
-    assert "| macro | ddtree, 2 fixed | 8 | 1 | - | 2.70 |" in markdown_table(summary)
+@pytest.mark.parametrize("field,value,shift,label", [
+    ("draft_temperature", 0.8, 0.3, "ddtree, draft T=0.8 | 8 | 1 | - | 2.90"),
+    ("fixed_children", 2, 0.1, "ddtree, 2 fixed | 8 | 1 | - | 2.70"),
+])
+def test_a_tree_drawing_setting_is_its_own_measurement(field, value, shift, label):
+    plain, other = _sampled(ROWS, 0, 0.0), [{**r, field: value} for r in _sampled(ROWS, 0, shift)]
+    summary = summarize(plain + other)
+    macro = {(r["method"], r["budget"], r[field]): r["tau"] for r in summary if r["dataset"] == "macro"}
+    assert macro["ddtree", 8, None] == pytest.approx(2.6) and macro["ddtree", 8, value] == pytest.approx(2.6 + shift)
+    assert f"| macro | {label} |" in markdown_table(summary)
 
 
 def test_figures_plot_the_mean_over_seeds():
