@@ -11,6 +11,8 @@ import pytest
 
 from conftest import ROOT, run_script
 
+from weaver.errors import WeaverError
+
 
 def test_multirun_jobs_append_to_one_results_file(smoke_outputs, tmp_path):
     done = run_script("eval.py", smoke_outputs, "-m", "+experiment=smoke", f"eval.out_dir={tmp_path}",
@@ -196,6 +198,34 @@ def test_gpu_scripts_compose_to_evals_the_sglang_backend_accepts(script):
     check_names(cfg)
     check_sglang_eval(cfg)
     assert cfg.eval.backend == "sglang" and "weaver" in cfg.eval.methods
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sglang_engines_get_the_evals_sampling_settings(temperature):
+    """Our workers verify sampled requests with the eval's rule, node ranking and fixed children (the rows say
+    so); greedy engines and SGLang's own (the chain's DFLASH, plain decoding) get none of them."""
+    from hydra import compose, initialize_config_dir
+
+    from weaver.eval.sglang_backend import check_sglang_eval, engine_spec
+    from weaver.pipeline import ROOT_CONF
+
+    overrides = ["+experiment=tiny", "eval.backend=sglang", f"eval.temperature={temperature}", "eval.sampling=rrs",
+                 "eval.rrs_priority=acceptance", "eval.fixed_children=2", "eval.methods=[ar,chain,ddtree,weaver]"]
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        cfg = compose("eval", overrides=overrides)
+    check_sglang_eval(cfg)
+    envs = {m: engine_spec(cfg, (m, 4), ROOT, ROOT, ROOT, [], None)["env"] for m in ("ar", "chain", "ddtree", "weaver")}
+    sampled = {"WEAVER_SAMPLING": "rrs", "WEAVER_RRS_PRIORITY": "acceptance", "WEAVER_FIXED_CHILDREN": "2"}
+    for method in ("ddtree", "weaver"):
+        assert (sampled.items() <= envs[method].items()) is (temperature > 0), (method, envs[method])
+    assert "WEAVER_ADAPTER" in envs["weaver"] and envs["ar"] == envs["chain"] == {}
+    with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
+        cfg = compose("eval", overrides=[*overrides, "eval.sampling=target_only", "eval.fixed_children=0"])
+    if temperature > 0:  # the workers draw sampled requests' trees: a rule for greedy trees would mislabel the rows
+        with pytest.raises(WeaverError, match="eval.sampling must be one of \\['rrs', 'traversal'\\], got 'target_only'"):
+            check_sglang_eval(cfg)
+    else:
+        check_sglang_eval(cfg)
 
 
 @pytest.mark.parametrize("override", ["drafter.train.steps=many", "weaver.train.stepz=3", "model.train.lr=fast",

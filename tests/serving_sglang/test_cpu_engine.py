@@ -65,6 +65,7 @@ def run_engines(target: str, drafter: str, out: str) -> None:
         os.environ["WEAVER_TRACE"] = str(Path(out).with_name(f"{name}.trace.jsonl"))  # read by our workers
         os.environ["WEAVER_RRS_PRIORITY"] = "acceptance" if name == "weaver" else "draft"  # both kinds of sampled tree
         os.environ["WEAVER_SAMPLING"] = "rrs" if name == "weaver" else "traversal"  # both rules for drawn trees
+        os.environ["WEAVER_FIXED_CHILDREN"] = "1" if name == "weaver" else "0"  # a child per node listed, not drawn
         engine = sgl.Engine(model_path=target, **ENGINE_ARGS, **extra)
         try:
             runs = [engine.generate(input_ids=[p], sampling_params=sampling, return_logprob=True) for p in singles]
@@ -173,8 +174,8 @@ def test_our_worker_drafts_what_the_reference_engine_drafts(engine_runs, method)
 @pytest.mark.parametrize("method", WORKERS)
 def test_our_worker_samples_the_targets_distribution(engine_runs, method):
     """Sampled requests (temperature 0.3) through drawn trees (DDTREE's ranked by draft probability and verified by
-    traversal, WEAVER's ranked by the worker's acceptance table, WEAVER_RRS_PRIORITY, and verified by recursive
-    rejection sampling; WEAVER_SAMPLING): the 2nd and 3rd
+    traversal, WEAVER's ranked by the worker's acceptance table, WEAVER_RRS_PRIORITY, with one fixed child per node,
+    WEAVER_FIXED_CHILDREN, and verified by recursive rejection sampling; WEAVER_SAMPLING): the 2nd and 3rd
     tokens of many runs against their exact distributions (Pearson chi-square; cells expecting fewer than 5 draws
     pooled). SGLang's own CPU verify would be greedy here and fail it. With this random drafter
     about 9% of the drafts are accepted (tens per run): enough to exercise the accepted-draft path of the

@@ -19,7 +19,8 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 from checkpoints import ADAPTER, DRAFTER, TARGET, checkpoint
 from weaver.errors import WeaverError
 from weaver.serving.sglang import (
-    ADAPTER_ENV, ALGORITHMS, CHILDREN_ENV, DEFAULT_DRAFT_TOKENS, POOL_ENV, RRS_PRIORITY_ENV, SAMPLING_ENV, register,
+    ADAPTER_ENV, ALGORITHMS, CHILDREN_ENV, DEFAULT_DRAFT_TOKENS, FIXED_CHILDREN_ENV, POOL_ENV, RRS_PRIORITY_ENV,
+    SAMPLING_ENV, register,
 )
 
 
@@ -65,8 +66,8 @@ def test_server_args_without_a_drafter_stop_with_the_reason(name, tiny_model):
 
 def test_weavers_settings_are_checked_before_loading(tiny_model, monkeypatch):
     """WEAVER without an adapter, an adapter folder that is not one, more children than the adapter's pool (16
-    here), a malformed count, an unknown priority for sampled trees or a rule that cannot verify them: one message each from resolving the
-    arguments, before any model loads."""
+    here), a malformed count, an unknown priority for sampled trees, a rule that cannot verify them or fixed children
+    without recursive rejection: one message each from resolving the arguments, before any model loads."""
     load_plugins()
 
     def resolve():
@@ -103,6 +104,16 @@ def test_weavers_settings_are_checked_before_loading(tiny_model, monkeypatch):
     with pytest.raises(ValueError, match=f"{SAMPLING_ENV} must be one of \\['rrs', 'traversal'\\], got 'target_only'"):
         resolve()
     monkeypatch.setenv(SAMPLING_ENV, "traversal")
+    resolve()
+    monkeypatch.setenv(FIXED_CHILDREN_ENV, "1")  # fixed children have draft probability 0: traversal cannot verify them
+    with pytest.raises(ValueError, match=f"{FIXED_CHILDREN_ENV} needs {SAMPLING_ENV}=rrs, got 'traversal'"):
+        resolve()
+    monkeypatch.setenv(SAMPLING_ENV, "rrs")
+    resolve()
+    monkeypatch.setenv(FIXED_CHILDREN_ENV, "-1")
+    with pytest.raises(ValueError, match=f"{FIXED_CHILDREN_ENV} must be a whole number >= 0"):
+        resolve()
+    monkeypatch.setenv(FIXED_CHILDREN_ENV, "0")
     resolve()
 
 

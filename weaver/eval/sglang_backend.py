@@ -24,6 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from weaver.acceptance import SAMPLING_RULES
 from weaver.artifacts import adapter_folder, drafter_folder, target_folder
 from weaver.builders import TREE_METHODS
 from weaver.data.prompts import encode_prompts, template_kwargs
@@ -34,6 +35,8 @@ from weaver.models.checkpoint import load_hf_config, load_tokenizer
 from weaver.models.config import is_count
 from weaver.models.drafter_checkpoint import drafter_config
 from weaver.precision import inference_dtype, resolve_device
+from weaver.serving.sglang import ALGORITHMS as WORKERS
+from weaver.serving.sglang import FIXED_CHILDREN_ENV, RRS_PRIORITY_ENV, SAMPLING_ENV
 from weaver.serving.sglang.runs import CPU_ENGINE, stand_ins_environment
 
 ALGORITHMS = {"ar": None, "chain": "DFLASH", "ddtree": "DDTREE", "weaver": "WEAVER"}  # eval method -> SGLang's
@@ -71,8 +74,10 @@ def check_sglang_eval(cfg: DictConfig) -> None:
     if e.draft_temperature is not None:
         raise WeaverError("eval.backend=sglang draws trees at each request's own temperature; "
                           "eval.draft_temperature is a setting of the torch backend")
-    if e.fixed_children:
-        raise WeaverError("eval.fixed_children is a setting of the torch backend (the SGLang worker draws every child)")
+    drawn = [k for k, rule in SAMPLING_RULES.items() if rule.draws_trees]
+    if e.temperature > 0 and e.sampling not in drawn:
+        raise WeaverError(f"eval.backend=sglang draws sampled requests' trees: eval.sampling must be one of {drawn}, "
+                          f"got {e.sampling!r}")
     if not e.sglang.concurrency or any(not is_count(c) for c in e.sglang.concurrency):
         raise WeaverError(f"eval.sglang.concurrency must list whole numbers >= 1, got {e.sglang.concurrency}")
 
@@ -106,8 +111,10 @@ def engine_spec(cfg: DictConfig, run: Run, target: Path, drafter: Path | None, a
     elif cfg.model.dtype != "auto":
         engine.setdefault("dtype", cfg.model.dtype)
     env = {}
+    if method in WORKERS.values() and e.temperature > 0:  # our workers' rule and trees for sampled requests
+        env = {SAMPLING_ENV: e.sampling, RRS_PRIORITY_ENV: e.rrs_priority, FIXED_CHILDREN_ENV: str(e.fixed_children)}
     if uses_adapter(method):
-        env = {"WEAVER_ADAPTER": str(adapter), "WEAVER_CHILDREN": str(cfg.weaver.search.children)}
+        env |= {"WEAVER_ADAPTER": str(adapter), "WEAVER_CHILDREN": str(cfg.weaver.search.children)}
         if cfg.weaver.search.nodes_per_call is not None:
             env["WEAVER_NODES_PER_CALL"] = str(cfg.weaver.search.nodes_per_call)
         if cfg.weaver.search.pool is not None:

@@ -12,7 +12,8 @@ WEAVER_NODES_PER_CALL, WEAVER_POOL (candidates per depth; default the adapter's 
 requests' Weaver trees in one adapter call, `weaver.search.rescore`), WEAVER_RRS_PRIORITY
 (draft | acceptance: how sampled requests' trees rank their nodes, `weaver.calibration`; one table per worker
 learns from all its requests' steps), WEAVER_SAMPLING (rrs | traversal: the rule that verifies sampled requests'
-drawn trees, `weaver.acceptance`; default rrs), and WEAVER_TRACE=<file>: every step of every request as a JSON line
+drawn trees, `weaver.acceptance`; default rrs), WEAVER_FIXED_CHILDREN (sampled requests' trees list each node's that
+many most probable children and draw the rest, `eval.fixed_children`; rrs only; default 0), and WEAVER_TRACE=<file>: every step of every request as a JSON line
 (prompt, position, the drafter's top logits per depth, the tree, drafts accepted), to compare a served run
 with weaver's own engine step by step.
 """
@@ -27,7 +28,7 @@ ALGORITHMS = {"WEAVER": "weaver", "DDTREE": "ddtree"}  # SGLang name -> weaver.b
 DEFAULT_DRAFT_TOKENS = 16  # the tree's nodes with its root: a budget of 15, a 16-block drafter's chain
 ADAPTER_ENV, CHILDREN_ENV, NODES_PER_CALL_ENV = "WEAVER_ADAPTER", "WEAVER_CHILDREN", "WEAVER_NODES_PER_CALL"
 TRACE_ENV, RRS_PRIORITY_ENV, POOL_ENV, RESCORE_ENV = "WEAVER_TRACE", "WEAVER_RRS_PRIORITY", "WEAVER_POOL", "WEAVER_RESCORE"
-SAMPLING_ENV = "WEAVER_SAMPLING"
+SAMPLING_ENV, FIXED_CHILDREN_ENV = "WEAVER_SAMPLING", "WEAVER_FIXED_CHILDREN"
 TRACE_TOP = 4  # the drafter's largest logits per depth a trace keeps (a fingerprint of its inputs)
 
 
@@ -43,6 +44,7 @@ class WorkerSettings:
     pool: int | None = None  # None: the adapter's own pool
     rescore: int | None = None  # None: greedy Weaver trees by the wave search
     sampling: str = "rrs"  # the rule for sampled requests, one that verifies drawn trees
+    fixed_children: int = 0  # sampled requests' children per node listed, not drawn (rrs reaches them)
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
@@ -55,9 +57,12 @@ class WorkerSettings:
         sampling, drawn = os.environ.get(SAMPLING_ENV) or "rrs", [k for k, r in SAMPLING_RULES.items() if r.draws_trees]
         if sampling not in drawn:  # the worker draws sampled requests' trees: a rule for greedy trees would be biased
             raise ValueError(f"{SAMPLING_ENV} must be one of {drawn}, got {sampling!r}")
+        fixed = _count(FIXED_CHILDREN_ENV, 0, least=0)
+        if fixed and sampling != "rrs":  # only recursive rejection's residual draw reaches a child drawn with q = 0
+            raise ValueError(f"{FIXED_CHILDREN_ENV} needs {SAMPLING_ENV}=rrs, got {sampling!r}")
         return cls(os.environ.get(ADAPTER_ENV) or None, _count(CHILDREN_ENV, None), _count(NODES_PER_CALL_ENV, None),
                    os.environ.get(TRACE_ENV) or None, priority, _count(POOL_ENV, None), _count(RESCORE_ENV, None),
-                   sampling)
+                   sampling, fixed)
 
     def record(self, **step) -> None:
         """Append one step to the trace file."""
@@ -65,12 +70,12 @@ class WorkerSettings:
             f.write(json.dumps(step) + "\n")
 
 
-def _count(variable: str, default: int | None) -> int | None:
+def _count(variable: str, default: int | None, least: int = 1) -> int | None:
     value = os.environ.get(variable)
     if value is None:
         return default
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{variable} must be a whole number >= 1, got {value!r}")
+    if not value.isdigit() or int(value) < least:
+        raise ValueError(f"{variable} must be a whole number >= {least}, got {value!r}")
     return int(value)
 
 

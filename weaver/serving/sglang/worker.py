@@ -258,7 +258,8 @@ class TreeWorker(BaseSpecWorker):
         state.proposal = propose(self.method, StepInputs(anchor, draft, state.last_hidden, self.head, adapter=self.adapter),
                                  SearchConfig(budget, self.children, self.settings.nodes_per_call, state.generator,
                                               state.temperature or 1.0, priority=self.priority if state.generator else None,
-                                              rescore=self.settings.rescore))
+                                              rescore=self.settings.rescore,
+                                              fixed_children=self.settings.fixed_children if state.generator else 0))
         if self.settings.trace:  # the trace's fingerprint of the drafter's inputs; off the hot path otherwise
             state.top_logits = draft.logits[0].topk(TRACE_TOP).values
         return state.proposal.tree
