@@ -261,8 +261,6 @@ CASES = [
      "eval.draft_temperature must be a finite number > 0 or null, got 0"),
     ("eval.draft_temperature not a number", lambda m, t: check_names(eval_config(draft_temperature="sharp")),
      "eval.draft_temperature must be a finite number > 0 or null, got 'sharp'"),
-    ("SGLang backend asked for a draft temperature", lambda m, t: check_sglang_eval(eval_config(draft_temperature=0.8)),
-     "eval.draft_temperature is a setting of the torch backend"),
     ("eval.fixed_children negative", lambda m, t: check_names(eval_config(fixed_children=-1)),
      "eval.fixed_children must be a whole number >= 0, got -1"),
     ("fixed children with traversal verification", lambda m, t: check_names(eval_config(fixed_children=1, sampling="traversal")),

@@ -202,20 +202,22 @@ def test_gpu_scripts_compose_to_evals_the_sglang_backend_accepts(script):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_sglang_engines_get_the_evals_sampling_settings(temperature):
-    """Our workers verify sampled requests with the eval's rule, node ranking and fixed children (the rows say
-    so); greedy engines and SGLang's own (the chain's DFLASH, plain decoding) get none of them."""
+    """Our workers verify sampled requests with the eval's rule, node ranking, fixed children and draft temperature
+    (the rows say so); greedy engines and SGLang's own (the chain's DFLASH, plain decoding) get none of them."""
     from hydra import compose, initialize_config_dir
 
     from weaver.eval.sglang_backend import check_sglang_eval, engine_spec
     from weaver.pipeline import ROOT_CONF
 
     overrides = ["+experiment=tiny", "eval.backend=sglang", f"eval.temperature={temperature}", "eval.sampling=rrs",
-                 "eval.rrs_priority=acceptance", "eval.fixed_children=2", "eval.methods=[ar,chain,ddtree,weaver]"]
+                 "eval.rrs_priority=acceptance", "eval.fixed_children=2", "eval.draft_temperature=0.8",
+                 "eval.methods=[ar,chain,ddtree,weaver]"]
     with initialize_config_dir(str(ROOT_CONF), version_base="1.3"):
         cfg = compose("eval", overrides=overrides)
     check_sglang_eval(cfg)
     envs = {m: engine_spec(cfg, (m, 4), ROOT, ROOT, ROOT, [], None)["env"] for m in ("ar", "chain", "ddtree", "weaver")}
-    sampled = {"WEAVER_SAMPLING": "rrs", "WEAVER_RRS_PRIORITY": "acceptance", "WEAVER_FIXED_CHILDREN": "2"}
+    sampled = {"WEAVER_SAMPLING": "rrs", "WEAVER_RRS_PRIORITY": "acceptance", "WEAVER_FIXED_CHILDREN": "2",
+               "WEAVER_DRAFT_TEMPERATURE": "0.8"}
     for method in ("ddtree", "weaver"):
         assert (sampled.items() <= envs[method].items()) is (temperature > 0), (method, envs[method])
     assert "WEAVER_ADAPTER" in envs["weaver"] and envs["ar"] == envs["chain"] == {}

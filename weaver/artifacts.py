@@ -17,11 +17,15 @@ from weaver.io import exclusive
 from weaver.pipeline import artifact_dir, lock_file
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from weaver.models.adapter import WeaverAdapter
     from weaver.models.drafter import Drafter
     from weaver.models.target import TargetModel
 
 
-def load_target_and_tokenizer(cfg: DictConfig, data_setting: str = "model"):
+def load_target_and_tokenizer(cfg: DictConfig,
+                              data_setting: str = "model") -> tuple[TargetModel, PreTrainedTokenizerBase]:
     """The experiment's target model (on `cfg.device`, in `model.dtype`, or for the data stages in
     `rollouts.dtype` given as data_setting) and tokenizer: the trained artifact, an HF folder/hub id, or a GGUF."""
     from weaver.models.checkpoint import load_target, load_tokenizer
@@ -115,7 +119,7 @@ def adapter_folder(cfg: DictConfig) -> Path:
     return folder
 
 
-def load_adapter_for(cfg: DictConfig, target, drafter):
+def load_adapter_for(cfg: DictConfig, target: TargetModel, drafter: Drafter) -> WeaverAdapter:
     """The experiment's Weaver adapter (`adapter_folder`), checked against the target and drafter, searching
     the pool `weaver.search.pool` (null: the one it was trained on)."""
     from weaver.models.adapter import load_adapter, with_pool

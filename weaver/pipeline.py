@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,6 +26,9 @@ from weaver.errors import WeaverError
 from weaver.data.shards import wait_for
 from weaver.io import atomic_write_json, exclusive, remove_stale_temporaries
 from weaver.train.config import register_schemas
+
+if TYPE_CHECKING:
+    from weaver.models.target import TargetModel
 
 register_schemas()  # the stages' training settings are typed (conf/*: `/schema/train/<stage>`)
 
@@ -141,7 +145,7 @@ def _run_text(cfg: DictConfig, out_dir: Path, work_dir: Path) -> None:
                    cfg.seed, out_dir, work_dir)
 
 
-def tap_layers_for(cfg: DictConfig, target) -> tuple[int, ...]:
+def tap_layers_for(cfg: DictConfig, target: TargetModel) -> tuple[int, ...]:
     """The target layers the experiment's drafter reads: a given checkpoint's, or those a new one will tap."""
     from weaver.models.checkpoint import load_hf_config, resolve_checkpoint
     from weaver.models.drafter import default_target_layers

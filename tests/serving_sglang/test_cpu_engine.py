@@ -66,6 +66,7 @@ def run_engines(target: str, drafter: str, out: str) -> None:
         os.environ["WEAVER_RRS_PRIORITY"] = "acceptance" if name == "weaver" else "draft"  # both kinds of sampled tree
         os.environ["WEAVER_SAMPLING"] = "rrs" if name == "weaver" else "traversal"  # both rules for drawn trees
         os.environ["WEAVER_FIXED_CHILDREN"] = "1" if name == "weaver" else "0"  # a child per node listed, not drawn
+        os.environ["WEAVER_DRAFT_TEMPERATURE"] = "0.6"  # trees drawn flatter than the requests' 0.3, which the rules verify
         engine = sgl.Engine(model_path=target, **ENGINE_ARGS, **extra)
         try:
             runs = [engine.generate(input_ids=[p], sampling_params=sampling, return_logprob=True) for p in singles]
@@ -175,7 +176,8 @@ def test_our_worker_drafts_what_the_reference_engine_drafts(engine_runs, method)
 def test_our_worker_samples_the_targets_distribution(engine_runs, method):
     """Sampled requests (temperature 0.3) through drawn trees (DDTREE's ranked by draft probability and verified by
     traversal, WEAVER's ranked by the worker's acceptance table, WEAVER_RRS_PRIORITY, with one fixed child per node,
-    WEAVER_FIXED_CHILDREN, and verified by recursive rejection sampling; WEAVER_SAMPLING): the 2nd and 3rd
+    WEAVER_FIXED_CHILDREN, and verified by recursive rejection sampling; WEAVER_SAMPLING; both drawn from the draft at
+    another temperature than the requests', WEAVER_DRAFT_TEMPERATURE): the 2nd and 3rd
     tokens of many runs against their exact distributions (Pearson chi-square; cells expecting fewer than 5 draws
     pooled). SGLang's own CPU verify would be greedy here and fail it. With this random drafter
     about 9% of the drafts are accepted (tens per run): enough to exercise the accepted-draft path of the

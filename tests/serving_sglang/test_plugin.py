@@ -19,8 +19,8 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 from checkpoints import ADAPTER, DRAFTER, TARGET, checkpoint
 from weaver.errors import WeaverError
 from weaver.serving.sglang import (
-    ADAPTER_ENV, ALGORITHMS, CHILDREN_ENV, DEFAULT_DRAFT_TOKENS, FIXED_CHILDREN_ENV, POOL_ENV, RRS_PRIORITY_ENV,
-    SAMPLING_ENV, register,
+    ADAPTER_ENV, ALGORITHMS, CHILDREN_ENV, DEFAULT_DRAFT_TOKENS, DRAFT_TEMPERATURE_ENV, FIXED_CHILDREN_ENV, POOL_ENV,
+    RRS_PRIORITY_ENV, SAMPLING_ENV, register,
 )
 
 
@@ -66,8 +66,8 @@ def test_server_args_without_a_drafter_stop_with_the_reason(name, tiny_model):
 
 def test_weavers_settings_are_checked_before_loading(tiny_model, monkeypatch):
     """WEAVER without an adapter, an adapter folder that is not one, more children than the adapter's pool (16
-    here), a malformed count, an unknown priority for sampled trees, a rule that cannot verify them or fixed children
-    without recursive rejection: one message each from resolving the arguments, before any model loads."""
+    here), a malformed count, an unknown priority for sampled trees, a rule that cannot verify them, fixed children
+    without recursive rejection or a draft temperature that is not a positive number: one message each from resolving the arguments, before any model loads."""
     load_plugins()
 
     def resolve():
@@ -114,6 +114,12 @@ def test_weavers_settings_are_checked_before_loading(tiny_model, monkeypatch):
     with pytest.raises(ValueError, match=f"{FIXED_CHILDREN_ENV} must be a whole number >= 0"):
         resolve()
     monkeypatch.setenv(FIXED_CHILDREN_ENV, "0")
+    resolve()
+    for value in ("0", "-1", "sharp", "inf", "nan"):
+        monkeypatch.setenv(DRAFT_TEMPERATURE_ENV, value)
+        with pytest.raises(ValueError, match=f"{DRAFT_TEMPERATURE_ENV} must be a finite number > 0, got '{value}'"):
+            resolve()
+    monkeypatch.setenv(DRAFT_TEMPERATURE_ENV, "0.8")
     resolve()
 
 

@@ -25,11 +25,15 @@ import re
 import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 from omegaconf import DictConfig, OmegaConf
 
 from weaver.errors import WeaverError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 LONG_PROMPTS = ("truncate", "skip")
 
@@ -235,7 +239,7 @@ def template_kwargs(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg.model.chat_template_kwargs)
 
 
-def eval_prompts(cfg: DictConfig, tokenizer) -> dict[str, list[list[int]]]:
+def eval_prompts(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, list[list[int]]]:
     """Each eval dataset's prompts (eval.datasets, eval.n_prompts, eval.prompt_tokens, eval.long_prompts), encoded
     in the target's chat template: what the benchmarks decode."""
     e = cfg.eval
@@ -243,7 +247,7 @@ def eval_prompts(cfg: DictConfig, tokenizer) -> dict[str, list[list[int]]]:
                                  template_kwargs(cfg)) for name in e.datasets}
 
 
-def encode_text(tokenizer, text: str, template_kwargs: dict | None = None) -> list[int]:
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, template_kwargs: dict | None = None) -> list[int]:
     """Token ids of one user prompt: through the chat template (with `template_kwargs`) when the tokenizer has one."""
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -252,7 +256,7 @@ def encode_text(tokenizer, text: str, template_kwargs: dict | None = None) -> li
     return tokenizer(text)["input_ids"]
 
 
-def _encoded(rows: datasets.Dataset, tokenizer, prompt_tokens: int, long_prompts: str,
+def _encoded(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, prompt_tokens: int, long_prompts: str,
              template_kwargs: dict | None) -> Iterator[list[int]]:
     """Every row's prompt as token ids within `prompt_tokens` (skipped rows yield nothing), lazily."""
     if "input_ids" in rows.column_names:
@@ -264,8 +268,8 @@ def _encoded(rows: datasets.Dataset, tokenizer, prompt_tokens: int, long_prompts
             yield ids[-prompt_tokens:]
 
 
-def encode_prompts(rows: datasets.Dataset, tokenizer, n: int, prompt_tokens: int, long_prompts: str = "truncate",
-                   template_kwargs: dict | None = None) -> list[list[int]]:
+def encode_prompts(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, n: int, prompt_tokens: int,
+                   long_prompts: str = "truncate", template_kwargs: dict | None = None) -> list[list[int]]:
     """The first `n` usable prompts of a set as token ids of at most `prompt_tokens` (see the module docstring)."""
     if long_prompts not in LONG_PROMPTS:
         raise WeaverError(f"long_prompts must be one of {LONG_PROMPTS}, not '{long_prompts}'")

@@ -14,6 +14,7 @@ missing shards.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 import torch
@@ -25,6 +26,9 @@ from weaver.errors import WeaverError
 from weaver.generate import generate
 from weaver.io import atomic_dir, atomic_write_json
 from weaver.models.config import check_context, is_count
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def corpus_prompts(corpus_dir: Path, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
@@ -55,7 +59,7 @@ def spread(n: int, available: list[int]) -> list[int]:
     return shares
 
 
-def set_prompts(cfg: DictConfig, tokenizer) -> list[list[int]]:
+def set_prompts(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
     """`rollouts.n_prompts` prompts spread evenly over the prompt sets named in `rollouts.prompts` (`spread`: a
     set that runs short gives all it has), as token ids in the target's chat template (any target: the text is
     rendered by its own tokenizer). Prompts that also occur in a set of `rollouts.exclude` (the evaluation sets)

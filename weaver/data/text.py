@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 import torch
@@ -29,8 +30,12 @@ from weaver.io import atomic_dir, durable_rename
 from weaver.models.config import is_count
 from weaver.models.target import TargetModel
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def text_windows(tokenizer, sources: Sequence[str], n: int, seq_len: int, seed: int, batch: int = 64) -> list[list[int]]:
+
+def text_windows(tokenizer: PreTrainedTokenizerBase, sources: Sequence[str], n: int, seq_len: int, seed: int,
+                 batch: int = 64) -> list[list[int]]:
     """n windows of seq_len tokens: every document of the corpora cut into non-overlapping windows (in the
     target's tokenizer), the documents taken in a seeded random order until n windows are found."""
     if not sources or not is_count(n) or not is_count(seq_len, 2):
@@ -48,8 +53,8 @@ def text_windows(tokenizer, sources: Sequence[str], n: int, seq_len: int, seed: 
                       f"drafter.text.n_sequences={n}")
 
 
-def build_text(target: TargetModel, tokenizer, text: DictConfig, tap_layers: tuple[int, ...], shard_size: int,
-               batch_size: int, seed: int, out_dir: Path, work_dir: Path) -> None:
+def build_text(target: TargetModel, tokenizer: PreTrainedTokenizerBase, text: DictConfig, tap_layers: tuple[int, ...],
+               shard_size: int, batch_size: int, seed: int, out_dir: Path, work_dir: Path) -> None:
     """Cut the windows, let the target read them and store its states; a killed build resumes by shard."""
     windows = text_windows(tokenizer, list(text.sources), text.n_sequences, text.seq_len, seed)
     rows = datasets.Dataset.from_dict({

@@ -24,12 +24,16 @@ import uuid
 from itertools import zip_longest
 from pathlib import Path
 from statistics import fmean, stdev
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
 from weaver.acceptance import SAMPLING_RULES
 from weaver.errors import WeaverError
 from weaver.io import atomic_write_json, atomic_write_text, writable_dir
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 MACRO = "macro"
 # What makes two rows the same measurement; the last one in the file wins.
@@ -53,8 +57,9 @@ def _lock(path: Path) -> FileLock:
     return FileLock(path.with_name(f".{path.name}.lock"))
 
 
-def result_row(cfg, dataset: str, method: str, budget: int | None, r: dict, ar: dict | None, n_prompts: int,
-               reference: list[list[int]] | None = None, backend: str = "torch", concurrency: int = 1) -> dict:
+def result_row(cfg: DictConfig, dataset: str, method: str, budget: int | None, r: dict, ar: dict | None,
+               n_prompts: int, reference: list[list[int]] | None = None, backend: str = "torch",
+               concurrency: int = 1) -> dict:
     """One measurement as a row: `r` {tau, tokens_per_s, n_tokens, outputs, and optionally the time split
     (*_share), mean_budget, accept_hist}; `ar` {tokens_per_s, reference: greedy outputs} the baseline of the
     same run; `reference` transformers' greedy outputs."""
@@ -74,24 +79,24 @@ def result_row(cfg, dataset: str, method: str, budget: int | None, r: dict, ar: 
     }
 
 
-def draws_trees(e) -> bool:
+def draws_trees(e: DictConfig) -> bool:
     """Whether the run's trees were drawn from the draft distribution (sampling with a rule that draws them)."""
     return e.temperature > 0 and SAMPLING_RULES[e.sampling].draws_trees
 
 
-def tree_priority(e) -> str | None:
+def tree_priority(e: DictConfig) -> str | None:
     """How the run's drawn trees ranked their nodes, when not by draft probability (the default, None: rows
     written before `eval.rrs_priority` existed are those): `acceptance` (weaver/calibration.py)."""
     return e.rrs_priority if draws_trees(e) and e.rrs_priority != "draft" else None
 
 
-def draft_temperature(e) -> float | None:
+def draft_temperature(e: DictConfig) -> float | None:
     """The temperature drawn trees were drawn at, when not the sampling temperature (None: rows written before
     `eval.draft_temperature` existed are those)."""
     return e.draft_temperature if draws_trees(e) and e.draft_temperature not in (None, e.temperature) else None
 
 
-def fixed_children(e) -> int | None:
+def fixed_children(e: DictConfig) -> int | None:
     """How many of each node's children drawn trees took as they are (None: none, as in rows written before
     `eval.fixed_children` existed)."""
     return e.fixed_children if draws_trees(e) and e.fixed_children else None

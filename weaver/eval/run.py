@@ -178,7 +178,7 @@ def speculative_summary(outputs: list[list[int]], stats: list[SpecStats], second
 
 
 def speculative_decoder(models: Models, cfg: DictConfig, method: str, eos: int | None, generator: torch.Generator | None,
-                        max_new_tokens: int | None = None, on_step: Callable | None = None):
+                        max_new_tokens: int | None = None, on_step: Callable | None = None) -> Callable[..., tuple]:
     """decode(prompt, budget) -> (tokens, SpecStats) with the method's models and the eval settings (`on_step`:
     `speculative_generate`'s)."""
     e = cfg.eval

@@ -36,7 +36,7 @@ from weaver.models.config import is_count
 from weaver.models.drafter_checkpoint import drafter_config
 from weaver.precision import inference_dtype, resolve_device
 from weaver.serving.sglang import ALGORITHMS as WORKERS
-from weaver.serving.sglang import FIXED_CHILDREN_ENV, RRS_PRIORITY_ENV, SAMPLING_ENV
+from weaver.serving.sglang import DRAFT_TEMPERATURE_ENV, FIXED_CHILDREN_ENV, RRS_PRIORITY_ENV, SAMPLING_ENV
 from weaver.serving.sglang.runs import CPU_ENGINE, stand_ins_environment
 
 ALGORITHMS = {"ar": None, "chain": "DFLASH", "ddtree": "DDTREE", "weaver": "WEAVER"}  # eval method -> SGLang's
@@ -71,9 +71,6 @@ def check_sglang_eval(cfg: DictConfig) -> None:
         raise WeaverError(f"eval.backend=sglang measures {list(ALGORITHMS)}, not {unsupported}")
     if any(not is_count(b) for b in e.budgets):
         raise WeaverError(f"eval.backend=sglang needs fixed budgets (whole numbers >= 1), got {list(e.budgets)}")
-    if e.draft_temperature is not None:
-        raise WeaverError("eval.backend=sglang draws trees at each request's own temperature; "
-                          "eval.draft_temperature is a setting of the torch backend")
     drawn = [k for k, rule in SAMPLING_RULES.items() if rule.draws_trees]
     if e.temperature > 0 and e.sampling not in drawn:
         raise WeaverError(f"eval.backend=sglang draws sampled requests' trees: eval.sampling must be one of {drawn}, "
@@ -113,6 +110,8 @@ def engine_spec(cfg: DictConfig, run: Run, target: Path, drafter: Path | None, a
     env = {}
     if method in WORKERS.values() and e.temperature > 0:  # our workers' rule and trees for sampled requests
         env = {SAMPLING_ENV: e.sampling, RRS_PRIORITY_ENV: e.rrs_priority, FIXED_CHILDREN_ENV: str(e.fixed_children)}
+        if e.draft_temperature is not None:
+            env[DRAFT_TEMPERATURE_ENV] = str(e.draft_temperature)
     if uses_adapter(method):
         env |= {"WEAVER_ADAPTER": str(adapter), "WEAVER_CHILDREN": str(cfg.weaver.search.children)}
         if cfg.weaver.search.nodes_per_call is not None:

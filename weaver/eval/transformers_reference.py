@@ -3,6 +3,8 @@ same weights (eval.check_transformers)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
@@ -10,9 +12,13 @@ from tqdm.auto import tqdm
 from weaver.artifacts import target_folder
 from weaver.generate import until_eos
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 @torch.inference_mode()
-def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:
+def transformers_greedy(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int,
+                        eos: int | None) -> list[list[int]]:
     """transformers' own greedy decoding of each prompt (batch 1, no padding): the reference every greedy
     method must reproduce token for token."""
     from transformers import GenerationConfig
@@ -27,7 +33,7 @@ def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int, eo
     return outputs
 
 
-def load_transformers_target(cfg: DictConfig, dtype: torch.dtype, device: torch.device | str):
+def load_transformers_target(cfg: DictConfig, dtype: torch.dtype, device: torch.device | str) -> PreTrainedModel:
     """The experiment's target as transformers' own model class, in `dtype` on `device`."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 

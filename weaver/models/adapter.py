@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import Qwen3Config
+from transformers import PreTrainedTokenizerBase, Qwen3Config
 
 from weaver.errors import WeaverError
 from weaver.io import atomic_dir
@@ -282,7 +282,8 @@ def read_adapter_config(folder: str | Path) -> tuple[AdapterConfig, str | None]:
         return AdapterConfig(**config["weaver_adapter"]), sha if isinstance(sha, str) else None
 
 
-def load_adapter(folder: str | Path, target: TargetModel, max_depth: int, tokenizer=None) -> WeaverAdapter:
+def load_adapter(folder: str | Path, target: TargetModel, max_depth: int,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> WeaverAdapter:
     """Read a saved adapter; refuse one whose sizes do not fit the target or the drafter's block, or (when
     it records one) that was trained with another tokenizer than `tokenizer` (default: the tokenizer saved
     beside the target, `weaver.models.checkpoint.target_tokenizer_sha256`)."""

@@ -24,6 +24,7 @@ from weaver.io import atomic_dir
 from weaver.models.config import TargetConfig, from_hf
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
     from weaver.models.target import TargetModel
 
 try:  # transformers' strict config dataclasses (a field of the wrong type) raise this, not a ValueError
@@ -210,14 +211,14 @@ def load_hf_config(folder: Path, gguf_file: str | None = None) -> PretrainedConf
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """sha256 of the tokenizer's token -> id mapping (added tokens included): equal for two tokenizers
     exactly when they map every token string to the same id."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
-def check_tokenizer(tokenizer, vocab_size: int, where: str = "the tokenizer") -> None:
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int, where: str = "the tokenizer") -> None:
     """Refuse a tokenizer that can emit ids the target has no embedding for (fewer ids is fine: vocabularies
     are often padded, e.g. Qwen3's 151669 tokens in 151936 rows)."""
     n = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
@@ -226,7 +227,7 @@ def check_tokenizer(tokenizer, vocab_size: int, where: str = "the tokenizer") ->
                           f"tokenizer and model do not belong together")
 
 
-def load_tokenizer(folder: str | Path, target: TargetModel | None = None):
+def load_tokenizer(folder: str | Path, target: TargetModel | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer saved beside a target (`AutoTokenizer`), checked against the target's vocabulary; its
     fingerprint is kept on the target (`target.tokenizer_sha256`) for the drafter/adapter checks."""
     from transformers import AutoTokenizer
@@ -241,7 +242,7 @@ def load_tokenizer(folder: str | Path, target: TargetModel | None = None):
     return tokenizer
 
 
-def target_tokenizer_sha256(target: TargetModel, tokenizer=None) -> str | None:
+def target_tokenizer_sha256(target: TargetModel, tokenizer: PreTrainedTokenizerBase | None = None) -> str | None:
     """The fingerprint of the target's tokenizer: of `tokenizer` when given, else the one recorded by
     `load_tokenizer`, else that of the tokenizer saved in the target's checkpoint folder (None: unknown)."""
     if tokenizer is not None:
@@ -255,7 +256,8 @@ def target_tokenizer_sha256(target: TargetModel, tokenizer=None) -> str | None:
     return known
 
 
-def check_tokenizer_fingerprint(what: str, stored: str | None, target: TargetModel, tokenizer=None) -> None:
+def check_tokenizer_fingerprint(what: str, stored: str | None, target: TargetModel,
+                                tokenizer: PreTrainedTokenizerBase | None = None) -> None:
     """Refuse a drafter/adapter trained with another tokenizer. Artifacts without a fingerprint (z-lab's
     DFlash checkpoints, older artifacts) and targets whose tokenizer is unknown are not checked."""
     if not stored:
@@ -286,7 +288,8 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, gguf_file
     return model
 
 
-def save_hf_checkpoint(model: TargetModel, hf_config: PretrainedConfig, out_dir: Path, tokenizer=None) -> None:
+def save_hf_checkpoint(model: TargetModel, hf_config: PretrainedConfig, out_dir: Path,
+                       tokenizer: PreTrainedTokenizerBase | None = None) -> None:
     """Write config.json + model.safetensors (+ tokenizer) atomically in transformers' format."""
     if not getattr(hf_config, "architectures", None):  # GGUF-derived configs have none; serving engines need it
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

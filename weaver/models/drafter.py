@@ -145,7 +145,8 @@ class DrafterLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, context_kv, mask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                context_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), rope, context_kv, mask)
         return x + self.mlp(self.post_norm(x))
 

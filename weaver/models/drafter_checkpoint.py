@@ -25,6 +25,7 @@ from weaver.models.config import from_hf, is_count
 from weaver.models.drafter import Drafter, DrafterConfig, check_pair, default_target_layers
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
     from weaver.models.target import TargetModel
 
 
@@ -125,7 +126,7 @@ def checked_draft_vocab(ids: torch.Tensor | None, size: int) -> torch.Tensor:
 
 
 def load_drafter(name_or_path: str, target: TargetModel | None = None, dtype: torch.dtype = torch.float32,
-                 tokenizer=None) -> Drafter:
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> Drafter:
     """Load a DFlash-format drafter; with `target`, refuse one that does not fit it: sizes, tapped layers, and
     (when the drafter records one) the tokenizer it was trained with, compared with `tokenizer` or else with
     the tokenizer saved beside the target (`weaver.models.checkpoint.target_tokenizer_sha256`)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 import torch
@@ -33,6 +34,9 @@ from weaver.models.layers import init_weights
 from weaver.models.target import TargetModel
 from weaver.train.common import fit, heldout_batches, heldout_metrics, make_accelerator, split_heldout, write_artifact
 from weaver.train.drafter import anchored_batches, draft_blocks, flag_read_text, taps_and_hidden, with_read_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def pool_losses(log_q: torch.Tensor, log_p: torch.Tensor, pool_tokens: torch.Tensor,
@@ -176,8 +180,9 @@ def adapter_config(w: DictConfig, target: TargetModel, drafter: Drafter) -> Adap
                          w.num_layers, w.num_heads, w.intermediate_size, w.rank, w.pool_size)
 
 
-def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokenizer, rollouts_dir: Path,
-                  out_dir: Path, work_dir: Path, states_dir: Path | None = None, text_dir: Path | None = None) -> dict:
+def train_adapter(cfg: DictConfig, target: TargetModel, drafter: Drafter, tokenizer: PreTrainedTokenizerBase,
+                  rollouts_dir: Path, out_dir: Path, work_dir: Path, states_dir: Path | None = None,
+                  text_dir: Path | None = None) -> dict:
     """Train the adapter described by cfg.weaver on the rollouts (and, with weaver.train.read_text, the text the
     target read, `text_dir`); write config.json + model.safetensors."""
     w, train = cfg.weaver, cfg.weaver.train

@@ -23,7 +23,7 @@ import datasets
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
-from transformers import Qwen3Config
+from transformers import PreTrainedTokenizerBase, Qwen3Config
 
 from weaver.data.corpus import collect_documents
 from weaver.data.states import ConcatStates, StoredStates, right_pad
@@ -159,7 +159,8 @@ def token_counts(sequences: Iterable[list[int]], vocab_size: int) -> torch.Tenso
     return counts
 
 
-def corpus_token_counts(sources: Sequence[str], tokenizer, vocab_size: int, batch: int = 256) -> torch.Tensor:
+def corpus_token_counts(sources: Sequence[str], tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                        batch: int = 256) -> torch.Tensor:
     """Token counts of the offline corpora `sources` (`weaver.data.corpus`) under the target's tokenizer."""
     docs = collect_documents(sources)
     texts = (tokenizer([d["text"] for d in docs[i : i + batch]])["input_ids"] for i in range(0, len(docs), batch))
@@ -218,7 +219,8 @@ def architecture(cfg: DrafterConfig) -> dict:
             "heads, kv heads, head dim": [b.num_heads, b.num_kv_heads, b.head_dim], "draft_vocab": cfg.draft_vocab_size}
 
 
-def start_from_checkpoint(source: str, configured: Qwen3Config, target: TargetModel, tokenizer) -> tuple[Drafter, Qwen3Config]:
+def start_from_checkpoint(source: str, configured: Qwen3Config, target: TargetModel,
+                          tokenizer: PreTrainedTokenizerBase) -> tuple[Drafter, Qwen3Config]:
     """`drafter.train.init: <checkpoint>`: the drafter there (checked against the target and its tokenizer) and
     its config, refused unless it is the drafter `configured` describes, so the config's settings (and the
     stored states' taps) say what was trained."""
@@ -285,8 +287,8 @@ def init_from_target(drafter: Drafter, target: TargetModel) -> tuple[int, ...]:
     return tuple(attention)
 
 
-def new_drafter(hf_config: Qwen3Config, d: DictConfig, target: TargetModel, tokenizer, rows: datasets.Dataset,
-                from_target: bool, init_std: float) -> Drafter:
+def new_drafter(hf_config: Qwen3Config, d: DictConfig, target: TargetModel, tokenizer: PreTrainedTokenizerBase,
+                rows: datasets.Dataset, from_target: bool, init_std: float) -> Drafter:
     """A fresh drafter: random weights (its layers copied from the target's with `from_target`), the target's
     final norm, and the draft vocabulary counted on the rollouts' responses and `d.draft_vocab_corpus`."""
     drafter = Drafter(drafter_config(hf_config))
@@ -304,8 +306,8 @@ def new_drafter(hf_config: Qwen3Config, d: DictConfig, target: TargetModel, toke
     return drafter
 
 
-def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer, rollouts_dir: Path, out_dir: Path, work_dir: Path,
-                  states_dir: Path | None = None, text_dir: Path | None = None) -> dict:
+def train_drafter(cfg: DictConfig, target: TargetModel, tokenizer: PreTrainedTokenizerBase, rollouts_dir: Path,
+                  out_dir: Path, work_dir: Path, states_dir: Path | None = None, text_dir: Path | None = None) -> dict:
     """Train the drafter described by cfg.drafter on the rollouts (and the text the target read, `text_dir`);
     write a DFlash-format checkpoint."""
     d, train = cfg.drafter, cfg.drafter.train

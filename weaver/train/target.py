@@ -12,7 +12,7 @@ import datasets
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoTokenizer, PretrainedConfig, Qwen3_5TextConfig
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, Qwen3_5TextConfig
 
 from weaver.errors import WeaverError
 from weaver.generate import generate
@@ -23,7 +23,7 @@ from weaver.models.target import TargetModel
 from weaver.train.common import fit, make_accelerator, write_artifact
 
 
-def scratch_hf_config(model_cfg: DictConfig, tokenizer) -> PretrainedConfig:
+def scratch_hf_config(model_cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
     kwargs = OmegaConf.to_container(model_cfg.hf_config, resolve=True)
     try:
         return Qwen3_5TextConfig(
@@ -89,7 +89,7 @@ def train_target(cfg: DictConfig, corpus_dir: Path, out_dir: Path, work_dir: Pat
 SAMPLE_PROMPT = "def read_config(path):\n"
 
 
-def greedy_sample(model: TargetModel, tokenizer, max_new_tokens: int = 64) -> str:
+def greedy_sample(model: TargetModel, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int = 64) -> str:
     prompt = tokenizer(SAMPLE_PROMPT)["input_ids"]
     new = generate(model, [prompt], max_new_tokens, eos_token_id=tokenizer.eos_token_id)[0]
     return tokenizer.decode(new)

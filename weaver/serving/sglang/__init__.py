@@ -13,7 +13,9 @@ requests' Weaver trees in one adapter call, `weaver.search.rescore`), WEAVER_RRS
 (draft | acceptance: how sampled requests' trees rank their nodes, `weaver.calibration`; one table per worker
 learns from all its requests' steps), WEAVER_SAMPLING (rrs | traversal: the rule that verifies sampled requests'
 drawn trees, `weaver.acceptance`; default rrs), WEAVER_FIXED_CHILDREN (sampled requests' trees list each node's that
-many most probable children and draw the rest, `eval.fixed_children`; rrs only; default 0), and WEAVER_TRACE=<file>: every step of every request as a JSON line
+many most probable children and draw the rest, `eval.fixed_children`; rrs only; default 0), WEAVER_DRAFT_TEMPERATURE
+(sampled requests' trees drawn from the draft at this temperature instead of the request's, `eval.draft_temperature`;
+lossless for any value), and WEAVER_TRACE=<file>: every step of every request as a JSON line
 (prompt, position, the drafter's top logits per depth, the tree, drafts accepted), to compare a served run
 with weaver's own engine step by step.
 """
@@ -29,6 +31,7 @@ DEFAULT_DRAFT_TOKENS = 16  # the tree's nodes with its root: a budget of 15, a 1
 ADAPTER_ENV, CHILDREN_ENV, NODES_PER_CALL_ENV = "WEAVER_ADAPTER", "WEAVER_CHILDREN", "WEAVER_NODES_PER_CALL"
 TRACE_ENV, RRS_PRIORITY_ENV, POOL_ENV, RESCORE_ENV = "WEAVER_TRACE", "WEAVER_RRS_PRIORITY", "WEAVER_POOL", "WEAVER_RESCORE"
 SAMPLING_ENV, FIXED_CHILDREN_ENV = "WEAVER_SAMPLING", "WEAVER_FIXED_CHILDREN"
+DRAFT_TEMPERATURE_ENV = "WEAVER_DRAFT_TEMPERATURE"
 TRACE_TOP = 4  # the drafter's largest logits per depth a trace keeps (a fingerprint of its inputs)
 
 
@@ -45,6 +48,7 @@ class WorkerSettings:
     rescore: int | None = None  # None: greedy Weaver trees by the wave search
     sampling: str = "rrs"  # the rule for sampled requests, one that verifies drawn trees
     fixed_children: int = 0  # sampled requests' children per node listed, not drawn (rrs reaches them)
+    draft_temperature: float | None = None  # sampled requests' trees drawn at this temperature (None: the request's)
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
@@ -62,7 +66,7 @@ class WorkerSettings:
             raise ValueError(f"{FIXED_CHILDREN_ENV} needs {SAMPLING_ENV}=rrs, got {sampling!r}")
         return cls(os.environ.get(ADAPTER_ENV) or None, _count(CHILDREN_ENV, None), _count(NODES_PER_CALL_ENV, None),
                    os.environ.get(TRACE_ENV) or None, priority, _count(POOL_ENV, None), _count(RESCORE_ENV, None),
-                   sampling, fixed)
+                   sampling, fixed, _positive_number(DRAFT_TEMPERATURE_ENV))
 
     def record(self, **step) -> None:
         """Append one step to the trace file."""
@@ -77,6 +81,19 @@ def _count(variable: str, default: int | None, least: int = 1) -> int | None:
     if not value.isdigit() or int(value) < least:
         raise ValueError(f"{variable} must be a whole number >= {least}, got {value!r}")
     return int(value)
+
+
+def _positive_number(variable: str) -> float | None:
+    value = os.environ.get(variable)
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not 0 < number < float("inf"):
+        raise ValueError(f"{variable} must be a finite number > 0, got {value!r}")
+    return number
 
 
 def register() -> None:

@@ -255,14 +255,23 @@ class TreeWorker(BaseSpecWorker):
         budget = self.draft_token_num - 1
         draft = self.drafter.draft(self.head, state.context, torch.tensor([anchor], device=self.device),
                                    torch.tensor([seq_len], device=self.device), max_depth=budget)
+        sampled = state.generator is not None
+        search = SearchConfig(budget, self.children, self.settings.nodes_per_call, state.generator,
+                              self._tree_temperature(state), priority=self.priority if sampled else None,
+                              rescore=self.settings.rescore,
+                              fixed_children=self.settings.fixed_children if sampled else 0)
         state.proposal = propose(self.method, StepInputs(anchor, draft, state.last_hidden, self.head, adapter=self.adapter),
-                                 SearchConfig(budget, self.children, self.settings.nodes_per_call, state.generator,
-                                              state.temperature or 1.0, priority=self.priority if state.generator else None,
-                                              rescore=self.settings.rescore,
-                                              fixed_children=self.settings.fixed_children if state.generator else 0))
+                                 search)
         if self.settings.trace:  # the trace's fingerprint of the drafter's inputs; off the hot path otherwise
             state.top_logits = draft.logits[0].topk(TRACE_TOP).values
         return state.proposal.tree
+
+    def _tree_temperature(self, state: RequestState) -> float:
+        """The temperature a sampled request's tree is drawn at (WEAVER_DRAFT_TEMPERATURE, else the request's own;
+        the rules verify against the request's); 1 for greedy trees, which are not drawn."""
+        if state.generator is None:
+            return 1.0
+        return self.settings.draft_temperature or state.temperature
 
     def _generator(self, req) -> torch.Generator:
         """A sampled request's own random stream: from its `sampling_seed`, else fresh entropy."""
