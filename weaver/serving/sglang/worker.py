@@ -271,7 +271,7 @@ class TreeWorker(BaseSpecWorker):
         the rules verify against the request's); 1 for greedy trees, which are not drawn."""
         if state.generator is None:
             return 1.0
-        return self.settings.draft_temperature or state.temperature
+        return self.settings.draft_temperature or state.temperature or 1.0
 
     def _generator(self, req) -> torch.Generator:
         """A sampled request's own random stream: from its `sampling_seed`, else fresh entropy."""
