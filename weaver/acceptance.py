@@ -201,3 +201,4 @@ SAMPLING_RULES: dict[str, SamplingRule] = {
     "target_only": SamplingRule(lambda tree, logits, proposal, temperature, generator, observe: target_only_tree(
         tree, logits, temperature, generator), draws_trees=False),
 }
+DRAWN_TREE_RULES = [name for name, rule in SAMPLING_RULES.items() if rule.draws_trees]  # what a tree-drawing server takes

@@ -24,7 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from weaver.acceptance import SAMPLING_RULES
+from weaver.acceptance import DRAWN_TREE_RULES
 from weaver.artifacts import adapter_folder, drafter_folder, target_folder
 from weaver.builders import TREE_METHODS
 from weaver.data.prompts import encode_prompts, template_kwargs
@@ -71,10 +71,9 @@ def check_sglang_eval(cfg: DictConfig) -> None:
         raise WeaverError(f"eval.backend=sglang measures {list(ALGORITHMS)}, not {unsupported}")
     if any(not is_count(b) for b in e.budgets):
         raise WeaverError(f"eval.backend=sglang needs fixed budgets (whole numbers >= 1), got {list(e.budgets)}")
-    drawn = [k for k, rule in SAMPLING_RULES.items() if rule.draws_trees]
-    if e.temperature > 0 and e.sampling not in drawn:
-        raise WeaverError(f"eval.backend=sglang draws sampled requests' trees: eval.sampling must be one of {drawn}, "
-                          f"got {e.sampling!r}")
+    if e.temperature > 0 and e.sampling not in DRAWN_TREE_RULES:
+        raise WeaverError(f"eval.backend=sglang draws sampled requests' trees: eval.sampling must be one of "
+                          f"{DRAWN_TREE_RULES}, got {e.sampling!r}")
     if not e.sglang.concurrency or any(not is_count(c) for c in e.sglang.concurrency):
         raise WeaverError(f"eval.sglang.concurrency must list whole numbers >= 1, got {e.sglang.concurrency}")
 

@@ -52,15 +52,15 @@ class WorkerSettings:
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
-        from weaver.acceptance import SAMPLING_RULES
+        from weaver.acceptance import DRAWN_TREE_RULES
         from weaver.calibration import RRS_PRIORITIES
 
         priority = os.environ.get(RRS_PRIORITY_ENV) or "draft"
         if priority not in RRS_PRIORITIES:
             raise ValueError(f"{RRS_PRIORITY_ENV} must be one of {list(RRS_PRIORITIES)}, got {priority!r}")
-        sampling, drawn = os.environ.get(SAMPLING_ENV) or "rrs", [k for k, r in SAMPLING_RULES.items() if r.draws_trees]
-        if sampling not in drawn:  # the worker draws sampled requests' trees: a rule for greedy trees would be biased
-            raise ValueError(f"{SAMPLING_ENV} must be one of {drawn}, got {sampling!r}")
+        sampling = os.environ.get(SAMPLING_ENV) or "rrs"
+        if sampling not in DRAWN_TREE_RULES:  # the worker draws sampled requests' trees: a greedy tree's rule is biased
+            raise ValueError(f"{SAMPLING_ENV} must be one of {DRAWN_TREE_RULES}, got {sampling!r}")
         fixed = _count(FIXED_CHILDREN_ENV, 0, least=0)
         if fixed and sampling != "rrs":  # only recursive rejection's residual draw reaches a child drawn with q = 0
             raise ValueError(f"{FIXED_CHILDREN_ENV} needs {SAMPLING_ENV}=rrs, got {sampling!r}")
